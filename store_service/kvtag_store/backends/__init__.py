@@ -1,0 +1,1 @@
+"""Storage backends: the embedded memory store and the Mooncake Store adapter."""

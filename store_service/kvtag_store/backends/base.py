@@ -1,0 +1,113 @@
+"""The small contract every storage backend fulfils, and the census records replicas share.
+
+The service layer (sessions, policy, leases, counters) sits above this; a
+backend only stores tagged values and answers for them. The same contract
+tests (tests/service/test_backend_contract.py) run against every backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType, Protocol
+
+# A block's key bytes in its mode. Raw bytes, not a tuple or object: lookups of
+# thousands of keys stay cheap.
+BlockKey = NewType("BlockKey", bytes)
+# (group, key): the address of a block inside one namespace.
+BlockAddress = tuple[int, BlockKey]
+
+
+class KeyStatus(enum.IntEnum):
+    """Values equal kvtag.v1.KeyStatus so results map to the wire without a table."""
+
+    HIT = 1
+    MISS = 2
+    MODE_MISMATCH = 3
+
+
+class PutOutcome(enum.IntEnum):
+    """Values equal kvtag.v1.PutStatus."""
+
+    STORED = 1
+    ALREADY_PRESENT = 2
+    CONFLICT = 3
+    REJECTED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    outcome: PutOutcome
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    status: KeyStatus
+    value: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    backend: str
+    capacity_bytes: int
+    used_bytes: int
+    keys: int
+    evictions: int
+    leased_keys: int
+    corrupted_dropped: int
+    # namespace_id -> (keys, used_bytes)
+    per_namespace: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot be reached; the API layer maps it to UNAVAILABLE."""
+
+
+class BlockBackend(Protocol):
+    """Stores values tagged with a mode_id. Never overwrites; never serves a
+    value to another mode; never serves a value whose checksum fails."""
+
+    name: str
+
+    @property
+    def max_value_bytes(self) -> int: ...
+
+    def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult: ...
+
+    def lookup(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> list[KeyStatus]: ...
+
+    def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]: ...
+
+    def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        """Hold the blocks against eviction (a read lease); pins nest."""
+
+    def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None: ...
+
+    def stats(self) -> BackendStats: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRecord:
+    engine_id: str
+    probe_keys: tuple[bytes, ...]
+
+
+class CensusStore(Protocol):
+    """First-writer-wins records that every replica of the service must agree on.
+
+    The memory backend keeps them in process; the Mooncake backend keeps them
+    in Mooncake (its put is first-writer-wins), so replicas over one cluster
+    enforce the same policy.
+    """
+
+    def establish_mode(self, namespace_id: str, mode_encoding: bytes) -> bytes:
+        """Record mode_encoding as the namespace's first mode if none is; return the established one."""
+
+    def reference_probe(self, namespace_id: str, mode_id: str, record: ProbeRecord) -> ProbeRecord:
+        """Record the probe keys for (namespace, mode) if none are; return the reference record."""
