@@ -1,0 +1,283 @@
+"""The canonical block-key scheme: seed-free, vLLM-independent chained SHA-256 over fixed binary bytes.
+
+docs/canonical-keys.md is the normative specification, with known-answer vectors
+(docs/canonical-key-vectors.json). Keys are raw 32-byte digests: they go on the
+wire as-is, and bytes avoid per-key object overhead in the connector's hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.ids import probe_tokens
+
+SCHEME = "canonical"
+SCHEME_VERSION = "1"
+HASH_ALGORITHM = "sha256"
+
+# Domain separation: a chain value can never be mistaken for a key or a root.
+ROOT_DOMAIN = b"kvtag.canonical.v1/root\x00"
+BLOCK_DOMAIN = b"kvtag.canonical.v1/block\x00"
+KEY_DOMAIN = b"kvtag.canonical.v1/key\x00"
+
+_U32_MAX = 0xFFFFFFFF
+
+
+class UnencodableExtraKeys(ValueError):
+    """Extra keys that have no canonical encoding; such a request must be neither stored nor loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """Request-level identifiers that change what the KV means, beyond the token ids."""
+
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    # (identifier, offset, length) of each multimodal placeholder run, in token positions.
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _MMItem:
+    offset: int
+    length: int
+    encoded: bytes  # str(identifier) || u32(offset) || u32(length)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """Extras validated and encoded once per request."""
+
+    root: bytes
+    mm_items: tuple[_MMItem, ...]  # sorted by (offset, length, utf8(identifier))
+
+
+def _u32(value: int) -> bytes:
+    return struct.pack(">I", value)
+
+
+def _utf8(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise UnencodableExtraKeys(f"{what} must be a str, got {type(value).__name__}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnencodableExtraKeys(f"{what} is not valid UTF-8 ({exc.reason}): {value!r}") from exc
+    if len(raw) > _U32_MAX:
+        raise UnencodableExtraKeys(f"{what} is longer than 2^32-1 bytes")
+    return raw
+
+
+def _str(value: object, what: str) -> bytes:
+    raw = _utf8(value, what)
+    return _u32(len(raw)) + raw
+
+
+def _opt_str(value: object, what: str) -> bytes:
+    return b"\x00" if value is None else b"\x01" + _str(value, what)
+
+
+def _position(value: object, what: str, minimum: int) -> int:
+    # bool is an int subclass; True as an offset is a bug upstream, not a position.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise UnencodableExtraKeys(f"{what} must be an int, got {type(value).__name__}")
+    if not minimum <= value <= _U32_MAX:
+        raise UnencodableExtraKeys(f"{what} must be in [{minimum}, 2^32-1], got {value}")
+    return value
+
+
+def _check_geometry(hash_block_size: int, lookahead_tokens: int) -> None:
+    if not 0 < hash_block_size <= _U32_MAX:
+        raise ValueError(f"hash_block_size must be in [1, 2^32-1], got {hash_block_size}")
+    if not 0 <= lookahead_tokens <= _U32_MAX:
+        raise ValueError(f"lookahead_tokens must be in [0, 2^32-1], got {lookahead_tokens}")
+
+
+def _encode_extras(hash_block_size: int, extras: ExtraKeys | None) -> _Encoded:
+    extras = extras if extras is not None else ExtraKeys()
+    root_input = (
+        ROOT_DOMAIN
+        + _u32(hash_block_size)
+        + _opt_str(extras.lora_name, "lora_name")
+        + _opt_str(extras.cache_salt, "cache_salt")
+    )
+    if not isinstance(extras.mm_items, tuple | list):
+        raise UnencodableExtraKeys(f"mm_items must be a sequence, got {type(extras.mm_items).__name__}")
+    items: list[tuple[int, int, bytes, bytes]] = []
+    for n, item in enumerate(extras.mm_items):
+        if not isinstance(item, tuple | list) or len(item) != 3:
+            raise UnencodableExtraKeys(f"mm_items[{n}] must be (identifier, offset, length), got {item!r}")
+        identifier, offset, length = item
+        ident = _utf8(identifier, f"mm_items[{n}] identifier")
+        if not ident:
+            # An empty identifier would make two different images share keys.
+            raise UnencodableExtraKeys(f"mm_items[{n}] identifier is empty")
+        start = _position(offset, f"mm_items[{n}] offset", 0)
+        size = _position(length, f"mm_items[{n}] length", 1)
+        if start + size > _U32_MAX:
+            raise UnencodableExtraKeys(f"mm_items[{n}] ends beyond token position 2^32-1")
+        items.append((start, size, ident, _u32(len(ident)) + ident + _u32(start) + _u32(size)))
+    items.sort(key=lambda it: (it[0], it[1], it[2]))
+    return _Encoded(
+        root=hashlib.sha256(root_input).digest(),
+        mm_items=tuple(_MMItem(offset=o, length=s, encoded=e) for o, s, _, e in items),
+    )
+
+
+def _mm_list(items: tuple[_MMItem, ...], start: int, end: int) -> bytes:
+    """u32(count) || encoded items overlapping token range [start, end), in canonical order."""
+    if start >= end:
+        return _u32(0)
+    hits = [it.encoded for it in items if it.offset < end and it.end > start]
+    return _u32(len(hits)) + b"".join(hits)
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f">{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t <= _U32_MAX), None)
+        raise ValueError(f"token ids must be ints in [0, 2^32-1], got {bad!r}") from exc
+
+
+def _chain_step(parent: bytes, block_tokens: bytes, mm: bytes) -> bytes:
+    return hashlib.sha256(BLOCK_DOMAIN + parent + block_tokens + mm).digest()
+
+
+def _finalize(chain_value: bytes, lookahead_tokens: int, lookahead: bytes, mm: bytes) -> bytes:
+    return hashlib.sha256(KEY_DOMAIN + chain_value + _u32(lookahead_tokens) + lookahead + mm).digest()
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    hash_block_size: int,
+    lookahead_tokens: int,
+    extras: ExtraKeys | None = None,
+) -> list[bytes]:
+    """Keys of every block i with len(token_ids) >= (i+1)*H + L, in order (L=0: the base keys).
+
+    Written straight from the specification; KeyChain is the incremental form and
+    is tested to agree with this one.
+    """
+    _check_geometry(hash_block_size, lookahead_tokens)
+    encoded = _encode_extras(hash_block_size, extras)
+    h, la = hash_block_size, lookahead_tokens
+    count = max(0, (len(token_ids) - la) // h)
+    keys: list[bytes] = []
+    chain = encoded.root
+    for i in range(count):
+        start, end = i * h, (i + 1) * h
+        chain = _chain_step(chain, _pack_tokens(token_ids[start:end]), _mm_list(encoded.mm_items, start, end))
+        keys.append(
+            _finalize(
+                chain, la, _pack_tokens(token_ids[end : end + la]), _mm_list(encoded.mm_items, end, end + la)
+            )
+        )
+    return keys
+
+
+class KeyChain:
+    """Incremental canonical keys of one request: each token is hashed once as the request grows.
+
+    `keys` are the mode keys (lookahead keys when L > 0); `base_keys` are the L=0
+    keys of the same blocks, sent for cross-mode-miss diagnostics. Base keys exist
+    as soon as a block is full; lookahead keys lag by L tokens. Both lists grow
+    in place; callers must not mutate them.
+    """
+
+    def __init__(self, hash_block_size: int, lookahead_tokens: int, extras: ExtraKeys | None = None) -> None:
+        _check_geometry(hash_block_size, lookahead_tokens)
+        self.hash_block_size = hash_block_size
+        self.lookahead_tokens = lookahead_tokens
+        self._encoded = _encode_extras(hash_block_size, extras)
+        # Only tokens not yet needed by any key are dropped: [_offset, ...) is kept.
+        self._tail: list[int] = []
+        self._offset = 0
+        self._num_tokens = 0
+        self._chain: list[bytes] = []  # chain value of block i at index i - _chain_offset
+        self._chain_offset = 0
+        self._base_keys: list[bytes] = []
+        self._keys: list[bytes] = [] if lookahead_tokens > 0 else self._base_keys
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self._keys
+
+    @property
+    def base_keys(self) -> list[bytes]:
+        return self._base_keys
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append newly known tokens and derive every key they complete."""
+        if not token_ids:
+            return
+        _pack_tokens(token_ids)  # validate before any state changes
+        self._tail.extend(token_ids)
+        self._num_tokens += len(token_ids)
+        h, la, items = self.hash_block_size, self.lookahead_tokens, self._encoded.mm_items
+        while self._num_tokens >= (len(self._base_keys) + 1) * h:
+            i = len(self._base_keys)
+            start, end = i * h, (i + 1) * h
+            parent = self._chain[-1] if self._chain else self._encoded.root
+            value = _chain_step(parent, self._slice(start, end), _mm_list(items, start, end))
+            self._chain.append(value)
+            self._base_keys.append(_finalize(value, 0, b"", _mm_list(items, end, end)))
+        if la > 0:
+            while self._num_tokens >= (len(self._keys) + 1) * h + la:
+                i = len(self._keys)
+                end = (i + 1) * h
+                value = self._chain[i - self._chain_offset]
+                self._keys.append(
+                    _finalize(value, la, self._slice(end, end + la), _mm_list(items, end, end + la))
+                )
+        self._trim()
+
+    def _slice(self, start: int, end: int) -> bytes:
+        return _pack_tokens(self._tail[start - self._offset : end - self._offset])
+
+    def _trim(self) -> None:
+        """Forget tokens and chain values no pending key can need, so memory stays O(H + L)."""
+        h = self.hash_block_size
+        pending = len(self._keys)  # first block whose mode key is still missing
+        keep_chain_from = pending
+        drop_chain = keep_chain_from - self._chain_offset - 1  # keep the last value as the parent
+        if drop_chain > 0:
+            del self._chain[:drop_chain]
+            self._chain_offset += drop_chain
+        keep_tokens_from = min(len(self._base_keys) * h, (pending + 1) * h)
+        drop_tokens = keep_tokens_from - self._offset
+        if drop_tokens > 0:
+            del self._tail[:drop_tokens]
+            self._offset += drop_tokens
+
+
+def probe_keys(hash_block_size: int, lookahead_tokens: int) -> list[bytes]:
+    """The known-answer probe keys this scheme sends at OpenSession: exactly two."""
+    keys = block_keys(probe_tokens(hash_block_size, lookahead_tokens), hash_block_size, lookahead_tokens)
+    assert len(keys) == 2, "probe_tokens must yield exactly two keyed blocks"
+    return keys
+
+
+def mode(hash_block_size: int, lookahead_tokens: int) -> pb.HashingMode:
+    """The HashingMode this scheme declares for a given geometry (seed-free: no seed fingerprint)."""
+    _check_geometry(hash_block_size, lookahead_tokens)
+    return pb.HashingMode(
+        key_scheme=SCHEME,
+        scheme_version=SCHEME_VERSION,
+        hash_algorithm=HASH_ALGORITHM,
+        hash_block_size=hash_block_size,
+        lookahead_tokens=lookahead_tokens,
+        seed_fingerprint="",
+    )

@@ -1,0 +1,1 @@
+"""Client library tests: real kvtag server on loopback, canonical key vectors."""
