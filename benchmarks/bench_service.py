@@ -1,0 +1,871 @@
+"""Throughput and latency of the kvtag store service on loopback, beside the references that bound it.
+
+One run measures, interleaved per repeat so machine noise hits every column alike:
+
+- kvtag Put and Get throughput (GB/s, 1 GB = 1e9 bytes) for 64 KiB, 1 MiB and 4 MiB values, batched
+  under the server's Limits.max_message_bytes, through the generated stubs against a real
+  `kvtag-store serve` subprocess;
+- the same bytes through a plain gRPC bytes service in its own subprocess with the kvtag server's
+  threading model (a sync server on a thread pool): upload (bytes in, empty reply), download (tiny
+  request, bytes out) at the kvtag batch size, and echo (bytes in, same bytes out) at the value size;
+- a preallocated memcpy of the same bytes;
+- an ordered 4,096-key Lookup (p50/p99 ms), with a tiny-RPC and same-size bytes echo beside it.
+
+Server CPU time per byte is read from /proc for both servers: unlike wall-clock throughput it barely
+moves when other processes load the machine. `--profile` also samples the kvtag server with py-spy
+(if installed) during a 1 MiB put/get loop and names the top costs.
+
+    .venv/bin/python benchmarks/bench_service.py [--quick] [--out benchmarks/results/service.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.internal import api_implementation
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+
+KiB = 1024
+MiB = 1024 * KiB
+GB = 1e9
+VALUE_SIZES = (64 * KiB, 1 * MiB, 4 * MiB)
+LOOKUP_KEYS = 4096
+KEY_BYTES = 32
+# Largest RPC payload the benchmark sends in one message, below the server limit (framing headroom).
+TARGET_BATCH_BYTES = 8 * MiB
+MESSAGE_HEADROOM = 64 * KiB
+ECHO_SERVICE = "kvtagbench.Bytes"
+TARGETS = {"put_1MiB_GBps": 1.5, "get_1MiB_GBps": 1.5, "lookup_p50_ms": 2.0}
+
+
+# ---- the reference gRPC bytes server (runs as a subprocess of this script) ----------------------
+
+
+def serve_bytes(listen: str, workers: int, max_message_bytes: int) -> None:
+    """A plain gRPC service with no protobuf: raw bytes handlers on the kvtag server's thread-pool model."""
+    blobs: dict[int, bytes] = {}
+
+    def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    def upload(request: bytes, context: Any) -> bytes:
+        return b""
+
+    def download(request: bytes, context: Any) -> bytes:
+        size = int(request)
+        blob = blobs.get(size)
+        if blob is None:  # first call per size builds it; the benchmark warms every size up first
+            blob = blobs[size] = os.urandom(size)
+        return blob
+
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(fn)
+        for name, fn in (("Echo", echo), ("Upload", upload), ("Download", download))
+    }
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ],
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, handlers),))
+    server.add_insecure_port(listen)
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1).wait()
+
+
+# ---- subprocess plumbing --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    """A server subprocess with its log, address and CPU-time reader."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    address: str
+    log_path: Path
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of the server process, all threads (10 ms ticks)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.contextmanager
+def start_server(name: str, argv: Sequence[str], port: int, log_dir: Path) -> Iterator[Server]:
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(name, proc, f"127.0.0.1:{port}", log_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_ready(server: Server, channel: grpc.Channel, timeout: float = 30.0) -> None:
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise SystemExit(
+            f"{server.name} did not start within {timeout:.0f} s:\n{server.log_tail()}"
+        ) from None
+    if server.proc.poll() is not None:
+        raise SystemExit(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+# ---- measurements ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One timed pass over `nbytes` payload bytes (or one latency)."""
+
+    seconds: float
+    nbytes: int = 0
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / GB
+
+
+@dataclass
+class Series:
+    """All repeats of one measurement."""
+
+    samples: list[Sample] = field(default_factory=list)
+
+    def gbps(self) -> list[float]:
+        return [s.gbps for s in self.samples]
+
+    def summary(self) -> dict[str, Any]:
+        rates = self.gbps()
+        total_bytes = sum(s.nbytes for s in self.samples)
+        server_cpu = sum(s.server_cpu_s for s in self.samples)
+        client_cpu = sum(s.client_cpu_s for s in self.samples)
+        med = statistics.median(rates)
+        return {
+            "GBps_median": round(med, 4),
+            "GBps_min": round(min(rates), 4),
+            "GBps_max": round(max(rates), 4),
+            "spread_pct": round(100 * (max(rates) - min(rates)) / med, 1),
+            "GBps_samples": [round(r, 4) for r in rates],
+            # CPU per byte is robust to load from other processes (wall-clock rate is not).
+            "server_cpu_ns_per_byte": round(1e9 * server_cpu / total_bytes, 4) if total_bytes else None,
+            "client_cpu_ns_per_byte": round(1e9 * client_cpu / total_bytes, 4) if total_bytes else None,
+        }
+
+
+def timed_calls(calls: Sequence[Callable[[], int]], server: Server | None, in_flight: int = 1) -> Sample:
+    """Run calls back to back (or `in_flight` at a time); each returns the payload bytes it moved.
+
+    Only the calls are timed. Two in flight lets client and server work at once on two cores.
+    """
+    pool = futures.ThreadPoolExecutor(in_flight) if in_flight > 1 else None
+    cpu0 = server.cpu_seconds() if server else 0.0
+    ccpu0 = time.process_time()
+    t0 = time.perf_counter()
+    results = map(lambda call: call(), calls) if pool is None else pool.map(lambda call: call(), calls)
+    nbytes = sum(results)
+    elapsed = time.perf_counter() - t0
+    ccpu = time.process_time() - ccpu0
+    cpu = (server.cpu_seconds() - cpu0) if server else 0.0
+    if pool is not None:
+        pool.shutdown()
+    return Sample(elapsed, nbytes, cpu, ccpu)
+
+
+def block_key(tag: str, index: int) -> bytes:
+    return hashlib.sha256(f"{tag}/{index}".encode()).digest()[:KEY_BYTES]
+
+
+class ValuePool:
+    """Distinct random values per size, cycled: enough variety that no cache or checksum shortcut helps."""
+
+    def __init__(self, size: int, pool_bytes: int) -> None:
+        self.values = [os.urandom(size) for _ in range(max(2, pool_bytes // size))]
+
+    def __getitem__(self, index: int) -> bytes:
+        return self.values[index % len(self.values)]
+
+
+@dataclass
+class Plan:
+    value_size: int
+    batch_items: int
+    batches: int
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.value_size * self.batch_items
+
+    @property
+    def volume(self) -> int:
+        return self.batch_bytes * self.batches
+
+
+def plan_for(value_size: int, volume: int, limits: Any) -> Plan:
+    usable = min(TARGET_BATCH_BYTES, int(limits.max_message_bytes) - MESSAGE_HEADROOM)
+    if value_size > usable:
+        raise SystemExit(f"{value_size} B values do not fit a {limits.max_message_bytes} B message")
+    items = max(1, min(int(limits.max_batch_items), usable // value_size))
+    return Plan(value_size, items, max(1, volume // (items * value_size)))
+
+
+class KvtagBench:
+    """Put/Get/Lookup through the generated stubs, in one session."""
+
+    def __init__(self, channel: grpc.Channel, server: Server) -> None:
+        self.stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        self.server = server
+        opened = self.stub.OpenSession(open_session_request())
+        self.session_id: str = opened.session_id
+        self.limits = opened.limits
+        self.session_info = {
+            "namespace_id": opened.namespace_id,
+            "mode_id": opened.mode_id,
+            "session_ttl_ms": opened.session_ttl_ms,
+            "limits": {
+                "max_key_bytes": opened.limits.max_key_bytes,
+                "max_batch_items": opened.limits.max_batch_items,
+                "max_value_bytes": opened.limits.max_value_bytes,
+                "max_message_bytes": opened.limits.max_message_bytes,
+            },
+        }
+
+    def put_batches(self, plan: Plan, pool: ValuePool, tag: str) -> list[pb.PutRequest]:
+        """Requests built ahead of the timed calls (message construction is client-side, not service cost)."""
+        requests = []
+        for b in range(plan.batches):
+            items = [
+                pb.PutItem(block=pb.BlockRef(key=block_key(tag, b * plan.batch_items + i)), value=pool[i + b])
+                for i in range(plan.batch_items)
+            ]
+            requests.append(pb.PutRequest(session_id=self.session_id, items=items))
+        return requests
+
+    def get_batches(self, plan: Plan, tag: str) -> list[pb.GetRequest]:
+        return [
+            pb.GetRequest(
+                session_id=self.session_id,
+                blocks=[
+                    pb.BlockRef(key=block_key(tag, b * plan.batch_items + i)) for i in range(plan.batch_items)
+                ],
+            )
+            for b in range(plan.batches)
+        ]
+
+    def put_call(self, request: pb.PutRequest, expect_bytes: int) -> Callable[[], int]:
+        def call() -> int:
+            response = self.stub.Put(request)
+            stored = sum(1 for r in response.results if r.status == pb.STORED)
+            if stored != len(request.items):
+                reasons = {r.reason for r in response.results if r.status != pb.STORED}
+                raise SystemExit(f"put stored {stored}/{len(request.items)}: {reasons}")
+            return expect_bytes
+
+        return call
+
+    def get_call(self, request: pb.GetRequest) -> Callable[[], int]:
+        def call() -> int:
+            response = self.stub.Get(request)
+            # Taking the values out is part of what every client pays for a Get.
+            values = [r.value for r in response.results if r.status == pb.HIT]
+            if len(values) != len(request.blocks):
+                raise SystemExit(f"get hit {len(values)}/{len(request.blocks)} blocks")
+            return sum(map(len, values))
+
+        return call
+
+    def put_values(self, keys: Sequence[bytes], value: bytes) -> None:
+        step = int(self.limits.max_batch_items)
+        for start in range(0, len(keys), step):
+            request = pb.PutRequest(
+                session_id=self.session_id,
+                items=[pb.PutItem(block=pb.BlockRef(key=k), value=value) for k in keys[start : start + step]],
+            )
+            response = self.stub.Put(request)
+            if any(r.status not in (pb.STORED, pb.ALREADY_PRESENT) for r in response.results):
+                raise SystemExit("lookup set-up put failed")
+
+    def lookup_request(self, keys: Sequence[bytes]) -> pb.LookupRequest:
+        return pb.LookupRequest(session_id=self.session_id, blocks=[pb.BlockRef(key=k) for k in keys])
+
+    def lookup_latency(self, request: pb.LookupRequest, expect_prefix: int) -> float:
+        t0 = time.perf_counter()
+        response = self.stub.Lookup(request)
+        elapsed = time.perf_counter() - t0
+        if response.prefix_length != expect_prefix:
+            raise SystemExit(f"lookup prefix {response.prefix_length}, expected {expect_prefix}")
+        if response.lease.lease_id:  # untimed: keep pinned keys from piling up
+            self.stub.ReleaseLeases(
+                pb.ReleaseLeasesRequest(session_id=self.session_id, lease_ids=[response.lease.lease_id])
+            )
+        return elapsed
+
+    def close(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id))
+
+
+def open_session_request() -> pb.OpenSessionRequest:
+    return pb.OpenSessionRequest(
+        engine_id=f"bench/{socket.gethostname()}/{os.getpid()}",
+        namespace=pb.NamespaceDescriptor(
+            model_name="kvtag-bench/model",
+            weights_fingerprint="bench-weights-0",
+            kv_dtype="bfloat16",
+            kv_layout="bench: 1 group, full attention",
+            block_size=16,
+            parallel_sharding="tp=1/rank=0,pp=1/rank=0",
+        ),
+        mode=pb.HashingMode(
+            key_scheme="canonical",
+            scheme_version="1",
+            hash_algorithm="sha256",
+            hash_block_size=16,
+            lookahead_tokens=0,
+        ),
+        probe_keys=[
+            hashlib.sha256(b"kvtag-bench probe 0").digest(),
+            hashlib.sha256(b"kvtag-bench probe 1").digest(),
+        ],
+        labels={"tool": "benchmarks/bench_service.py"},
+    )
+
+
+class BytesBench:
+    """Calls on the plain gRPC bytes server; no protobuf on either side."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.echo = channel.unary_unary(f"/{ECHO_SERVICE}/Echo")
+        self.upload = channel.unary_unary(f"/{ECHO_SERVICE}/Upload")
+        self.download = channel.unary_unary(f"/{ECHO_SERVICE}/Download")
+
+    def upload_call(self, payload: bytes) -> Callable[[], int]:
+        def call() -> int:
+            self.upload(payload)
+            return len(payload)
+
+        return call
+
+    def download_call(self, size: int) -> Callable[[], int]:
+        request = str(size).encode()
+
+        def call() -> int:
+            return len(self.download(request))
+
+        return call
+
+    def echo_call(self, payload: bytes) -> Callable[[], int]:
+        def call() -> int:
+            if len(self.echo(payload)) != len(payload):
+                raise SystemExit("echo returned the wrong size")
+            return len(payload)
+
+        return call
+
+    def latency(self, payload: bytes) -> float:
+        t0 = time.perf_counter()
+        self.echo(payload)
+        return time.perf_counter() - t0
+
+
+def memcpy_pass(values: Sequence[bytes], dst: memoryview) -> Sample:
+    """Copy each value into its slot of a preallocated, pre-touched buffer (one memcpy per value)."""
+    t0 = time.perf_counter()
+    offset = 0
+    for value in values:
+        end = offset + len(value)
+        dst[offset:end] = value
+        offset = end
+    return Sample(time.perf_counter() - t0, offset)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def latency_summary(seconds: Sequence[float], per_repeat: Sequence[Sequence[float]]) -> dict[str, Any]:
+    ms = [1e3 * s for s in seconds]
+    p50s = [percentile([1e3 * s for s in rep], 50) for rep in per_repeat if rep]
+    return {
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "min_ms": round(min(ms), 3),
+        "max_ms": round(max(ms), 3),
+        "count": len(ms),
+        "p50_ms_per_repeat": [round(p, 3) for p in p50s],
+    }
+
+
+# ---- profiling ------------------------------------------------------------------------------------
+
+
+def find_py_spy(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def profile_server(
+    py_spy: str, server: Server, work: Callable[[], None], seconds: float, out_dir: Path
+) -> dict[str, Any]:
+    """Sample every server thread (Python and native frames) while `work` runs; rank self time."""
+    raw = out_dir / "kvtag-server.pyspy.txt"
+    sampler = subprocess.Popen(
+        [py_spy, "record", "--pid", str(server.proc.pid), "--native", "--rate", "200", "--format", "raw",
+         "--duration", str(max(1, round(seconds))), "--output", str(raw)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    time.sleep(0.5)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and sampler.poll() is None:
+        work()
+    _, err = sampler.communicate(timeout=60)
+    if not raw.exists():
+        return {"error": err.decode(errors="replace")[-2000:]}
+    return summarize_stacks(raw.read_text().splitlines())
+
+
+def classify(frame: str) -> str:
+    """A cost bucket for a leaf frame of a py-spy --native stack."""
+    lowered = frame.lower()
+    if "crc32" in lowered or "zlib" in lowered:
+        return "checksum (zlib.crc32)"
+    if any(s in lowered for s in ("memcpy", "memmove", "__memcpy", "memset")):
+        return "memory copy (memcpy/memmove)"
+    if "_message" in lowered or "upb" in lowered or "protobuf" in lowered:
+        return "protobuf (upb parse/serialize)"
+    if "cygrpc" in lowered or "grpc" in lowered or "libgrpc" in lowered:
+        return "gRPC core + Python binding"
+    if "libc.so" in lowered or "libpthread" in lowered or "ld-linux" in lowered:
+        return "libc (malloc/free/locks/syscalls)"
+    if "python3" in lowered or "libpython" in lowered:
+        return "CPython interpreter (native)"
+    if "kvtag_store" in lowered:
+        return "kvtag_store Python code"
+    if ".py:" in lowered:
+        return "other Python code"
+    return "other native"
+
+
+def summarize_stacks(lines: Sequence[str]) -> dict[str, Any]:
+    self_time: collections.Counter[str] = collections.Counter()
+    buckets: collections.Counter[str] = collections.Counter()
+    inclusive_py: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in lines:
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        leaf = frames[-1]
+        self_time[leaf] += count
+        buckets[classify(leaf)] += count
+        for frame in set(frames):
+            if "kvtag_store" in frame or "grpc/_server.py" in frame:
+                inclusive_py[frame] += count
+    if not total:
+        return {"samples": 0}
+
+    def pct(n: int) -> float:
+        return round(100 * n / total, 1)
+
+    return {
+        "samples": total,
+        "self_time_by_bucket_pct": {k: pct(v) for k, v in buckets.most_common()},
+        "top_self_frames_pct": {k: pct(v) for k, v in self_time.most_common(15)},
+        "top_inclusive_service_frames_pct": {k: pct(v) for k, v in inclusive_py.most_common(15)},
+    }
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError):
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split(":", 1)[1].strip()
+    return {
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "mem_total": mem,
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "protobuf_implementation": api_implementation.Type(),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
+    exe = Path(sys.executable).parent / "kvtag-store"
+    return [
+        str(exe), "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
+        "--capacity", args.capacity, "--workers", str(args.workers), "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    quick: bool = args.quick
+    repeats: int = args.repeats or (3 if quick else 5)
+    volume = (48 if quick else 128) * MiB
+    lookups_per_repeat = 20 if quick else 60
+    started = time.time()
+    info = machine_info()
+    log_dir = Path(tempfile.mkdtemp(prefix="kvtag-bench-"))
+
+    kv_port, echo_port = free_port(), free_port()
+    kv_argv = kvtag_store_argv(kv_port, args)
+    max_msg = 64 * MiB
+    with start_server("kvtag-store", kv_argv, kv_port, log_dir) as kv_server:
+        kv_channel = grpc.insecure_channel(kv_server.address, options=channel_options(max_msg))
+        wait_ready(kv_server, kv_channel)
+        kv = KvtagBench(kv_channel, kv_server)
+        max_msg = int(kv.limits.max_message_bytes)
+        kv_channel.close()  # reopen with the server's own limit
+        kv_channel = grpc.insecure_channel(kv_server.address, options=channel_options(max_msg))
+        kv = KvtagBench(kv_channel, kv_server)
+        echo_argv = [
+            sys.executable, __file__, "--serve-bytes", f"127.0.0.1:{echo_port}",
+            "--workers", str(args.workers), "--max-message-bytes", str(max_msg),
+        ]  # fmt: skip
+        with start_server("grpc-bytes", echo_argv, echo_port, log_dir) as echo_server:
+            echo_channel = grpc.insecure_channel(echo_server.address, options=channel_options(max_msg))
+            wait_ready(echo_server, echo_channel)
+            ref = BytesBench(echo_channel)
+            plans = [plan_for(size, volume, kv.limits) for size in VALUE_SIZES]
+            pools = {p.value_size: ValuePool(p.value_size, max(p.batch_bytes, 32 * MiB)) for p in plans}
+            dst = memoryview(bytearray(max(p.volume for p in plans)))
+            dst[:] = bytes(len(dst))  # touch every page before timing
+
+            # Lookup set-up: 4,096 ordered keys present with small values (the index cost alone), and
+            # the same count with 64 KiB values (lookups verify checksums of hits, so value size shows).
+            lookup_keys = [block_key("lookup-small", i) for i in range(LOOKUP_KEYS)]
+            kv.put_values(lookup_keys, b"v" * 64)
+            lookup_req = kv.lookup_request(lookup_keys)
+            lookup_req_bytes = lookup_req.ByteSize()
+            big_keys = [block_key("lookup-64KiB", i) for i in range(LOOKUP_KEYS)]
+            kv.put_values(big_keys, os.urandom(64 * KiB))
+            big_req = kv.lookup_request(big_keys)
+            miss_req = kv.lookup_request([block_key("lookup-miss", i) for i in range(LOOKUP_KEYS)])
+            ref_payload = os.urandom(lookup_req_bytes)
+
+            # Warm-up: connections, thread pools, allocator, every download size.
+            for p in plans:
+                for call in kv.put_batches(Plan(p.value_size, p.batch_items, 1), pools[p.value_size], "warm"):
+                    kv.put_call(call, p.batch_bytes)()
+                for greq in kv.get_batches(Plan(p.value_size, p.batch_items, 1), "warm"):
+                    kv.get_call(greq)()
+                ref.download_call(p.batch_bytes)()
+                ref.upload_call(pools[p.value_size][0] * p.batch_items)()
+                ref.echo_call(pools[p.value_size][0])()
+            for _ in range(3):
+                kv.lookup_latency(lookup_req, LOOKUP_KEYS)
+                ref.latency(ref_payload)
+
+            series: dict[str, dict[str, Series]] = {
+                f"{p.value_size // KiB}KiB": collections.defaultdict(Series) for p in plans
+            }
+            lat: dict[str, list[list[float]]] = collections.defaultdict(list)
+            loadavg: list[tuple[float, float, float]] = []
+            for rep in range(repeats):
+                loadavg.append(os.getloadavg())
+                for p in plans:
+                    label = f"{p.value_size // KiB}KiB"
+                    pool = pools[p.value_size]
+                    tag = f"r{rep}/{label}"
+                    values = [pool[i] for i in range(p.batch_items * p.batches)]
+                    series[label]["memcpy"].samples.append(memcpy_pass(values, dst))
+                    payload = b"".join(values[: p.batch_items])
+                    series[label]["grpc_upload"].samples.append(
+                        timed_calls([ref.upload_call(payload)] * p.batches, echo_server)
+                    )
+                    del payload
+                    puts = kv.put_batches(p, pool, tag)
+                    series[label]["kvtag_put"].samples.append(
+                        timed_calls([kv.put_call(r, p.batch_bytes) for r in puts], kv_server)
+                    )
+                    del puts
+                    series[label]["grpc_download"].samples.append(
+                        timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server)
+                    )
+                    gets = kv.get_batches(p, tag)
+                    series[label]["kvtag_get"].samples.append(
+                        timed_calls([kv.get_call(r) for r in gets], kv_server)
+                    )
+                    if p.value_size == MiB:  # the target size: also with two RPCs in flight
+                        payload = b"".join(values[: p.batch_items])
+                        series[label]["grpc_upload_2inflight"].samples.append(
+                            timed_calls([ref.upload_call(payload)] * p.batches, echo_server, 2)
+                        )
+                        del payload
+                        puts = kv.put_batches(p, pool, tag + "/2inflight")
+                        series[label]["kvtag_put_2inflight"].samples.append(
+                            timed_calls([kv.put_call(r, p.batch_bytes) for r in puts], kv_server, 2)
+                        )
+                        del puts
+                        series[label]["grpc_download_2inflight"].samples.append(
+                            timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server, 2)
+                        )
+                        gets = kv.get_batches(p, tag + "/2inflight")
+                        series[label]["kvtag_get_2inflight"].samples.append(
+                            timed_calls([kv.get_call(r) for r in gets], kv_server, 2)
+                        )
+                    # Echo at the value size: one value per message, both directions (the DESIGN baseline).
+                    echo_n = max(1, p.volume // p.value_size // 2)
+                    series[label]["grpc_echo"].samples.append(
+                        timed_calls([ref.echo_call(pool[i]) for i in range(echo_n)], echo_server)
+                    )
+                lat["kvtag_lookup_4096_hit"].append(
+                    [kv.lookup_latency(lookup_req, LOOKUP_KEYS) for _ in range(lookups_per_repeat)]
+                )
+                lat["kvtag_lookup_4096_hit_64KiB_values"].append(
+                    [kv.lookup_latency(big_req, LOOKUP_KEYS) for _ in range(max(5, lookups_per_repeat // 4))]
+                )
+                lat["kvtag_lookup_4096_miss"].append(
+                    [kv.lookup_latency(miss_req, 0) for _ in range(lookups_per_repeat)]
+                )
+                lat["grpc_echo_same_bytes"].append(
+                    [ref.latency(ref_payload) for _ in range(lookups_per_repeat)]
+                )
+                lat["grpc_echo_1_byte"].append([ref.latency(b"x") for _ in range(lookups_per_repeat)])
+            loadavg.append(os.getloadavg())
+
+            profile: dict[str, Any] | None = None
+            if args.profile:
+                py_spy = find_py_spy(args.py_spy)
+                if py_spy is None:
+                    profile = {"error": "py-spy not found (pip install py-spy==0.4.3, or pass --py-spy PATH)"}
+                else:
+                    p1 = next(p for p in plans if p.value_size == MiB)
+                    counter = iter(range(10**9))
+
+                    def work() -> None:
+                        tag = f"profile/{next(counter)}"
+                        one = Plan(p1.value_size, p1.batch_items, 1)
+                        for r in kv.put_batches(one, pools[MiB], tag):
+                            kv.put_call(r, one.batch_bytes)()
+                        for g in kv.get_batches(one, tag):
+                            kv.get_call(g)()
+
+                    profile = profile_server(py_spy, kv_server, work, args.profile, log_dir)
+                    profile["workload"] = "1 MiB put then get of the same batch, back to back"
+                    profile["raw_stacks"] = str(log_dir / "kvtag-server.pyspy.txt")
+
+            stats = kv.stub.GetStats(pb.GetStatsRequest())
+            server_state = {
+                "kvtag_rss_bytes": kv_server.rss_bytes(),
+                "used_bytes": stats.used_bytes,
+                "keys": stats.keys,
+                "evictions": stats.evictions,
+            }
+            kv.close()
+            echo_channel.close()
+        kv_channel.close()
+
+    results: dict[str, Any] = {}
+    for label, by_kind in series.items():
+        summary = {kind: s.summary() for kind, s in by_kind.items()}
+        med = {kind: summary[kind]["GBps_median"] for kind in summary}
+        ratios = {
+            "put/grpc_upload": round(med["kvtag_put"] / med["grpc_upload"], 3),
+            "get/grpc_download": round(med["kvtag_get"] / med["grpc_download"], 3),
+            "put/grpc_echo": round(med["kvtag_put"] / med["grpc_echo"], 3),
+            "get/grpc_echo": round(med["kvtag_get"] / med["grpc_echo"], 3),
+            "put/memcpy": round(med["kvtag_put"] / med["memcpy"], 4),
+            "get/memcpy": round(med["kvtag_get"] / med["memcpy"], 4),
+        }
+        if "kvtag_put_2inflight" in med:
+            ratios["put_2inflight/grpc_upload_2inflight"] = round(
+                med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
+            )
+            ratios["get_2inflight/grpc_download_2inflight"] = round(
+                med["kvtag_get_2inflight"] / med["grpc_download_2inflight"], 3
+            )
+        summary["ratios"] = ratios
+        results[label] = summary
+    latency = {name: latency_summary([s for rep in reps for s in rep], reps) for name, reps in lat.items()}
+    put1 = results["1024KiB"]["kvtag_put"]["GBps_median"]
+    get1 = results["1024KiB"]["kvtag_get"]["GBps_median"]
+    p50 = latency["kvtag_lookup_4096_hit"]["p50_ms"]
+    info["loadavg_per_repeat"] = loadavg
+    return {
+        "benchmark": "kvtag store service, loopback",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started_unix": round(started),
+        "duration_s": round(time.time() - started, 1),
+        "machine": info,
+        "config": {
+            "quick": quick,
+            "repeats": repeats,
+            "volume_bytes_per_measurement": volume,
+            "plans": [asdict(p) | {"batch_bytes": p.batch_bytes} for p in plans],
+            "lookup_keys": LOOKUP_KEYS,
+            "key_bytes": KEY_BYTES,
+            "lookups_per_repeat": lookups_per_repeat,
+            "lookup_request_bytes": lookup_req_bytes,
+            "kvtag_server_argv": kv_argv,
+            "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
+            "session": kv.session_info,
+            "GB": "1e9 bytes",
+            "timed": "the RPC calls only (client serialize, transport, server, client parse, Get value "
+            "extraction); request message construction is outside the timer",
+        },
+        "server_state_after": server_state,
+        "throughput": results,
+        "lookup_latency": latency,
+        "targets": {
+            "put_1MiB_GBps": {"target": TARGETS["put_1MiB_GBps"], "measured": put1, "met": put1 >= 1.5},
+            "get_1MiB_GBps": {"target": TARGETS["get_1MiB_GBps"], "measured": get1, "met": get1 >= 1.5},
+            "lookup_p50_ms": {"target": TARGETS["lookup_p50_ms"], "measured": p50, "met": p50 <= 2.0},
+        },
+        "profile": profile,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    kinds = ("kvtag_put", "kvtag_get", "grpc_upload", "grpc_download", "grpc_echo", "memcpy")
+    print(f"\nthroughput, GB/s (median of {report['config']['repeats']}; [min-max])")
+    print(f"{'value':>8} " + " ".join(f"{k:>20}" for k in kinds))
+    for label, row in report["throughput"].items():
+        cells = [
+            f"{row[k]['GBps_median']:7.3f} [{row[k]['GBps_min']:.2f}-{row[k]['GBps_max']:.2f}]" for k in kinds
+        ]
+        print(f"{label:>8} " + " ".join(f"{c:>20}" for c in cells))
+    print("\nratios (medians)")
+    for label, row in report["throughput"].items():
+        print(f"{label:>8} " + "  ".join(f"{k} {v}" for k, v in row["ratios"].items()))
+    print("\nserver CPU ns/byte (kvtag put, get | bytes upload, download)")
+    for label, row in report["throughput"].items():
+        vals = [
+            row[k]["server_cpu_ns_per_byte"]
+            for k in ("kvtag_put", "kvtag_get", "grpc_upload", "grpc_download")
+        ]
+        print(f"{label:>8} {vals[0]}, {vals[1]} | {vals[2]}, {vals[3]}")
+    print("\nlatency, ms")
+    for name, lat in report["lookup_latency"].items():
+        print(f"{name:>36}  p50 {lat['p50_ms']:8.3f}  p99 {lat['p99_ms']:8.3f}  (n={lat['count']})")
+    print("\ntargets")
+    for name, t in report["targets"].items():
+        print(
+            f"{name:>16}  target {t['target']}  measured {t['measured']}  {'MET' if t['met'] else 'NOT MET'}"
+        )
+    prof = report.get("profile")
+    if prof:
+        print("\nkvtag server profile (self time by bucket, %)")
+        for k, v in prof.get("self_time_by_bucket_pct", {}).items():
+            print(f"  {v:5.1f}  {k}")
+        if "error" in prof:
+            print("  " + prof["error"])
+    print(f"\nload average per repeat: {report['machine']['loadavg_per_repeat']}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller volumes and 3 repeats (under ~30 s)")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats (default 5, --quick 3)")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    parser.add_argument("--capacity", default="4GiB", help="kvtag-store --capacity")
+    parser.add_argument("--workers", type=int, default=16, help="gRPC worker threads of both servers")
+    parser.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also sample the kvtag server with py-spy",
+    )
+    parser.add_argument("--py-spy", default=None, help="py-spy executable (default: beside python, or PATH)")
+    parser.add_argument("--serve-bytes", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-message-bytes", type=int, default=64 * MiB, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_bytes:
+        serve_bytes(args.serve_bytes, args.workers, args.max_message_bytes)
+        return
+    report = run(args)
+    print_table(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
