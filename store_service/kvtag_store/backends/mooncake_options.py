@@ -2,20 +2,126 @@
 
 The serve command adds these flags unconditionally and calls `build` only for
 `--backend mooncake`, so the import of the Mooncake wheel stays lazy.
+Precedence: a flag, then its KVTAG_MOONCAKE_* environment variable, then the
+JSON file named by --mooncake-config (keys are the flag names without the
+`--mooncake-` prefix, e.g. {"master": "10.0.0.5:50051", "local-buffer": "256MB"}),
+then the default.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+from typing import Any
 
 from kvtag_store.backends.base import BlockBackend, CensusStore
+from kvtag_store.backends.mooncake import MooncakeSettings
+
+# name -> (default, help). Names are the flag suffixes; env is KVTAG_MOONCAKE_<NAME upper, _>.
+_OPTIONS: dict[str, tuple[str | None, str]] = {
+    "master": (None, "Mooncake master RPC address HOST:PORT (required for --backend mooncake)"),
+    "metrics": (None, "master metrics/health address HOST:PORT (default: the master host, port 9003)"),
+    "local-hostname": ("127.0.0.1", "address this process's transfer engine advertises to the cluster"),
+    "protocol": ("tcp", "transfer protocol: tcp or rdma"),
+    "device-names": ("", "RDMA device names for --mooncake-protocol rdma"),
+    "local-buffer": ("64MB", "local transfer buffer; the largest block is a quarter of it"),
+    "segment-size": ("0", "memory this process contributes to the cluster (0: a pure client)"),
+    "lease-ttl-ms": ("10000", "the master's --default_kv_lease_ttl; pinned blocks are renewed every third"),
+}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1 << 10,
+    "MB": 1 << 20,
+    "GB": 1 << 30,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+}
+
+
+def env_name(option: str) -> str:
+    return "KVTAG_MOONCAKE_" + option.upper().replace("-", "_")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the --mooncake-* flags (each also read from a KVTAG_MOONCAKE_* environment variable)."""
-    parser.add_argument("--mooncake-master", default=None, help="Mooncake master RPC address HOST:PORT")
+    group = parser.add_argument_group("mooncake backend")
+    for option, (default, text) in _OPTIONS.items():
+        shown = f" [default: {default}]" if default else ""
+        group.add_argument(
+            f"--mooncake-{option}", default=None, help=f"{text}; env {env_name(option)}{shown}"
+        )
+    group.add_argument(
+        "--mooncake-config",
+        default=None,
+        help="JSON file of the options above (keys without the --mooncake- prefix); "
+        f"env {env_name('config')}",
+    )
+
+
+def parse_size(text: str) -> int:
+    """'64MB', '1GiB', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 64MB, 1GB or a byte count)")
+    return int(match.group(1)) * _UNITS[unit]
+
+
+def resolve(args: argparse.Namespace) -> dict[str, str]:
+    """The effective option values, by the precedence in the module docstring."""
+    config_path = getattr(args, "mooncake_config", None) or os.environ.get(env_name("config"))
+    from_file: dict[str, Any] = {}
+    if config_path:
+        with open(config_path, encoding="utf-8") as handle:
+            from_file = json.load(handle)
+        unknown = set(from_file) - set(_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown keys in {config_path}: {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    values: dict[str, str] = {}
+    for option, (default, _) in _OPTIONS.items():
+        value = getattr(args, "mooncake_" + option.replace("-", "_"), None)
+        if value is None:
+            value = os.environ.get(env_name(option))
+        if value is None and option in from_file:
+            value = str(from_file[option])
+        if value is None:
+            value = default
+        if value is not None:
+            values[option] = value
+    return values
+
+
+def settings_from(args: argparse.Namespace) -> MooncakeSettings:
+    """MooncakeSettings from flags/env/file; raises ValueError naming what is missing or malformed."""
+    values = resolve(args)
+    master = values.get("master")
+    if not master:
+        raise ValueError(
+            f"--backend mooncake needs --mooncake-master HOST:PORT (or {env_name('master')}, "
+            'or "master" in --mooncake-config)'
+        )
+    metrics = values.get("metrics") or f"{master.rpartition(':')[0] or master}:9003"
+    return MooncakeSettings(
+        master=master,
+        metrics=metrics,
+        local_hostname=values["local-hostname"],
+        protocol=values["protocol"],
+        device_names=values["device-names"],
+        local_buffer_bytes=parse_size(values["local-buffer"]),
+        segment_bytes=parse_size(values["segment-size"]),
+        lease_ttl_ms=int(values["lease-ttl-ms"]),
+    )
 
 
 def build(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
     """Connect to the Mooncake cluster named by the flags."""
-    raise NotImplementedError("the mooncake backend is not implemented yet")
+    from kvtag_store.backends.mooncake import MooncakeBackend, connect
+    from kvtag_store.backends.mooncake_census import MooncakeCensus
+
+    settings = settings_from(args)
+    client = connect(settings)
+    return MooncakeBackend(client, settings), MooncakeCensus(client, settings.master)

@@ -1,0 +1,427 @@
+"""BlockBackend over a Mooncake Store cluster: tagged, checksummed values that outlive the service.
+
+Every value carries the header of `mooncake_format`, so any replica (or a
+restarted one) can verify a value without this process's memory. Mooncake's
+put keeps an existing value and still returns 0, so a put is followed by a
+read of the stored header: only our own writer nonce proves a store happened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvtag_store.backends.base import (
+    BackendStats,
+    BackendUnavailable,
+    BlockAddress,
+    KeyStatus,
+    PutOutcome,
+    PutResult,
+    ReadResult,
+)
+from kvtag_store.backends.mooncake_errors import ErrorCounters, MooncakeCode, describe
+from kvtag_store.backends.mooncake_format import (
+    HEADER_BYTES,
+    FormatError,
+    decode_header,
+    encode_header,
+    object_key,
+    verify_payload,
+)
+
+_OK = MooncakeCode.OK
+_MISSING = MooncakeCode.OBJECT_NOT_FOUND
+_RPC_FAIL = MooncakeCode.RPC_FAIL
+# Header reads per get_into_ranges call; the registered arena holds this many headers.
+_HEADER_SLOTS = 1024
+# A put that returned 0 but whose header is not readable yet may be another writer's in-flight put.
+_VERIFY_ATTEMPTS = 5
+_VERIFY_BACKOFF_S = 0.02
+
+
+class MooncakeClient(Protocol):
+    """The part of mooncake.store.MooncakeDistributedStore kvtag uses (the wheel ships no stubs)."""
+
+    def put_parts(self, key: str, *parts: Any) -> int: ...
+    def put(self, key: str, value: Any, config: Any = ...) -> int: ...
+    def get(self, key: str) -> bytes: ...
+    def get_batch(self, keys: list[str]) -> list[bytes]: ...
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+    def batch_remove(self, keys: list[str], force: bool = ...) -> list[int]: ...
+    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
+    def unregister_buffer(self, buffer_ptr: int) -> int: ...
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]: ...
+    def close(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeSettings:
+    """Resolved connection settings (see mooncake_options for the flags that fill them)."""
+
+    master: str
+    metrics: str
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device_names: str = ""
+    local_buffer_bytes: int = 64 << 20
+    segment_bytes: int = 0
+    lease_ttl_ms: int = 10_000
+
+
+def connect(settings: MooncakeSettings) -> MooncakeClient:
+    """Open a Mooncake client (P2P handshake metadata, never HTTP metadata)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup(
+        settings.local_hostname,
+        "P2PHANDSHAKE",
+        settings.segment_bytes,
+        settings.local_buffer_bytes,
+        settings.protocol,
+        settings.device_names,
+        settings.master,
+    )
+    if rc != 0:
+        raise BackendUnavailable(
+            f"cannot join the Mooncake cluster at master {settings.master} (setup returned {rc}); "
+            "check that mooncake_master runs there and that this host can reach it"
+        )
+    return client  # type: ignore[no-any-return]
+
+
+class _HeaderReader:
+    """Reads only the headers of many objects into one registered arena (get_into_ranges)."""
+
+    def __init__(self, client: MooncakeClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._arena = ctypes.create_string_buffer(HEADER_BYTES * _HEADER_SLOTS)
+        self._ptr = ctypes.addressof(self._arena)
+        rc = client.register_buffer(self._ptr, HEADER_BYTES * _HEADER_SLOTS)
+        if rc != 0:
+            raise BackendUnavailable(f"cannot register the header buffer with Mooncake: {describe(rc)}")
+
+    def read(self, keys: Sequence[str]) -> list[bytes | int]:
+        """Per key: the header bytes, or a negative Mooncake code (-704 missing, -600 too short...)."""
+        out: list[bytes | int] = []
+        for start in range(0, len(keys), _HEADER_SLOTS):
+            chunk = list(keys[start : start + _HEADER_SLOTS])
+            n = len(chunk)
+            with self._lock:
+                codes = self._client.get_into_ranges(
+                    [self._ptr],
+                    [chunk],
+                    [[[i * HEADER_BYTES] for i in range(n)]],
+                    [[[0]] * n],
+                    [[[HEADER_BYTES]] * n],
+                )[0]
+                raw = self._arena.raw[: n * HEADER_BYTES]
+            for i, per_range in enumerate(codes):
+                code = per_range[0]
+                out.append(raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] if code >= 0 else code)
+        return out
+
+    def close(self) -> None:
+        self._client.unregister_buffer(self._ptr)
+
+
+class _LeaseKeeper:
+    """Holds Mooncake read leases on pinned objects by re-reading their existence every ttl/3.
+
+    Mooncake grants a lease (default 10 s, the master's --default_kv_lease_ttl)
+    on every read or existence check and refuses to evict or remove a leased
+    object; kvtag's leases are longer, so pinned keys are renewed until unpinned.
+    """
+
+    def __init__(self, client: MooncakeClient, lease_ttl_ms: int) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._pins: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._period_s = max(lease_ttl_ms / 3000, 0.05)
+        self._thread = threading.Thread(target=self._run, name="kvtag-mooncake-leases", daemon=True)
+        self._thread.start()
+
+    def pin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._pins.update(keys)
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if self._pins[key] <= 1:
+                    self._pins.pop(key, None)
+                else:
+                    self._pins[key] -= 1
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._pins)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            with self._lock:
+                keys = list(self._pins)
+            for start in range(0, len(keys), 4096):
+                # A failure (master down) is retried next period; the lease may lapse meanwhile,
+                # which costs a miss, never wrong bytes.
+                self._client.batch_is_exist(keys[start : start + 4096])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class MooncakeBackend:
+    """A BlockBackend whose blocks live in a Mooncake Store cluster shared by kvtag replicas."""
+
+    name = "mooncake"
+
+    def __init__(self, client: MooncakeClient, settings: MooncakeSettings) -> None:
+        self._client = client
+        self._settings = settings
+        self._headers = _HeaderReader(client)
+        self._leases = _LeaseKeeper(client, settings.lease_ttl_ms)
+        self.errors = ErrorCounters()
+        self._corrupted = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def max_value_bytes(self) -> int:
+        # put_parts and get_batch stage values in the local buffer; leave room for concurrent calls.
+        return self._settings.local_buffer_bytes // 4 - HEADER_BYTES
+
+    def _unavailable(self, what: str, code: int) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"Mooncake master {self._settings.master} unreachable while {what} ({describe(code)}); "
+            "retry with backoff, kvtag resumes when the master is back"
+        )
+
+    def _drop_corrupt(self, keys: Sequence[str]) -> None:
+        """Remove values that fail verification so a correct put can take their place."""
+        with self._count_lock:
+            self._corrupted += len(keys)
+        self._client.batch_remove(list(keys), True)
+
+    # -- writes -------------------------------------------------------------
+
+    def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult:
+        if len(value) > self.max_value_bytes:
+            return PutResult(
+                PutOutcome.REJECTED,
+                f"value of {len(value)} bytes exceeds the Mooncake backend limit of {self.max_value_bytes} "
+                "bytes (a quarter of --mooncake-local-buffer); raise the local buffer",
+            )
+        group, key = address
+        mkey = object_key(namespace_id, group, key)
+        nonce = os.urandom(8)
+        header = encode_header(namespace_id, mode_id, group, key, value, nonce)
+        for _attempt in range(2):
+            rc = self._client.put_parts(mkey, header, value)
+            if rc == MooncakeCode.BUFFER_OVERFLOW:
+                # The local buffer is busy with concurrent transfers: one short retry.
+                time.sleep(_VERIFY_BACKOFF_S)
+                rc = self._client.put_parts(mkey, header, value)
+            if rc == _RPC_FAIL:
+                self.errors.add(rc)
+                raise self._unavailable("storing a block", rc)
+            if rc != _OK:
+                self.errors.add(rc)
+                return PutResult(PutOutcome.REJECTED, _put_failure(rc))
+            result = self._verify_put(namespace_id, mode_id, address, mkey, nonce)
+            if result is not None:
+                return result
+        return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
+
+    def _verify_put(
+        self, namespace_id: str, mode_id: str, address: BlockAddress, mkey: str, nonce: bytes
+    ) -> PutResult | None:
+        """What the put really did, from the stored header; None if a corrupt value was dropped."""
+        group, key = address
+        for attempt in range(_VERIFY_ATTEMPTS):
+            found = self._headers.read([mkey])[0]
+            if isinstance(found, bytes):
+                try:
+                    stored = decode_header(found, namespace_id, group, key)
+                except FormatError:
+                    self._drop_corrupt([mkey])
+                    return None
+                if stored.nonce == nonce:
+                    return PutResult(PutOutcome.STORED)
+                if stored.mode_id != mode_id:
+                    return PutResult(PutOutcome.CONFLICT, f"key is held by mode {stored.mode_id}")
+                return PutResult(PutOutcome.ALREADY_PRESENT)
+            if found == _RPC_FAIL:
+                self.errors.add(found)
+                raise self._unavailable("confirming a store", found)
+            if found != _MISSING:
+                self.errors.add(found)
+                return PutResult(
+                    PutOutcome.REJECTED, f"the store could not be confirmed: {describe(found)} on read-back"
+                )
+            # Missing right after a successful put: another writer's put is still in flight.
+            time.sleep(_VERIFY_BACKOFF_S * (attempt + 1))
+        self.errors.add(_MISSING)
+        return PutResult(
+            PutOutcome.REJECTED,
+            "Mooncake accepted the put but the value was not readable afterwards "
+            "(a concurrent writer or an immediate eviction); not counted as stored",
+        )
+
+    # -- reads --------------------------------------------------------------
+
+    def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
+        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        found = self._headers.read(mkeys)
+        statuses: list[KeyStatus] = []
+        corrupt: list[str] = []
+        for (group, key), mkey, raw in zip(addresses, mkeys, found, strict=True):
+            if isinstance(raw, int):
+                if raw == _RPC_FAIL:
+                    self.errors.add(raw)
+                    raise self._unavailable("looking blocks up", raw)
+                if raw != _MISSING:
+                    self.errors.add(raw)
+                if raw == MooncakeCode.BUFFER_OVERFLOW:
+                    corrupt.append(mkey)  # shorter than a header: not a kvtag value
+                statuses.append(KeyStatus.MISS)
+                continue
+            try:
+                header = decode_header(raw, namespace_id, group, key)
+            except FormatError:
+                corrupt.append(mkey)
+                statuses.append(KeyStatus.MISS)
+                continue
+            statuses.append(KeyStatus.HIT if header.mode_id == mode_id else KeyStatus.MODE_MISMATCH)
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return statuses
+
+    def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
+        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        values = self._client.get_batch(mkeys)
+        empty = [i for i, v in enumerate(values) if not v]
+        if empty:
+            self._refetch(mkeys, values, empty)
+        results: list[ReadResult] = []
+        corrupt: list[str] = []
+        for (group, key), mkey, value in zip(addresses, mkeys, values, strict=True):
+            if not value:
+                results.append(ReadResult(KeyStatus.MISS))
+                continue
+            try:
+                header = decode_header(value, namespace_id, group, key)
+                if header.mode_id != mode_id:
+                    results.append(ReadResult(KeyStatus.MODE_MISMATCH))
+                    continue
+                payload = verify_payload(header, value)
+            except FormatError:
+                corrupt.append(mkey)
+                results.append(ReadResult(KeyStatus.MISS))
+                continue
+            results.append(ReadResult(KeyStatus.HIT, bytes(payload)))
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return results
+
+    def _refetch(self, mkeys: list[str], values: list[bytes], empty: list[int]) -> None:
+        """Tell misses from failures for the keys a batch read returned nothing for.
+
+        get_batch returns b"" for missing keys, unreachable storage and master
+        failures alike; an existence check separates them, and keys that exist
+        are read once more alone (the batch may have outgrown the local buffer).
+        """
+        exists = self._client.batch_is_exist([mkeys[i] for i in empty])
+        if exists and all(code < 0 for code in exists):
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable("reading blocks", _RPC_FAIL)
+        for i, code in zip(empty, exists, strict=True):
+            if code == 1:
+                values[i] = self._client.get(mkeys[i])
+                if not values[i]:
+                    # Listed by the master, unreadable from its storage process (killed or cut off).
+                    self.errors.add(MooncakeCode.TRANSFER_FAIL)
+            elif code < 0:
+                self.errors.add(code)
+
+    # -- leases -------------------------------------------------------------
+
+    def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        # The lookup that found these blocks already took Mooncake leases; the keeper renews them.
+        self._leases.pin([object_key(namespace_id, group, key) for group, key in addresses])
+
+    def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        self._leases.unpin([object_key(namespace_id, group, key) for group, key in addresses])
+
+    # -- reporting ----------------------------------------------------------
+
+    def stats(self) -> BackendStats:
+        """Cluster-wide figures from the master's metrics (they include other tenants' objects
+        and kvtag's census records); leases and dropped values are this replica's."""
+        metrics = read_master_metrics(self._settings.metrics)
+        with self._count_lock:
+            corrupted = self._corrupted
+        return BackendStats(
+            backend=self.name,
+            capacity_bytes=int(metrics.get("master_total_capacity_bytes", 0)),
+            used_bytes=int(metrics.get("master_allocated_bytes", 0)),
+            keys=int(metrics.get("master_key_count", 0)),
+            evictions=int(metrics.get("master_evicted_key_count", 0)),
+            leased_keys=self._leases.count(),
+            corrupted_dropped=corrupted,
+        )
+
+    def close(self) -> None:
+        self._leases.close()
+        self._headers.close()
+        self._client.close()
+
+
+def _put_failure(code: int) -> str:
+    if code == MooncakeCode.NO_AVAILABLE_HANDLE:
+        return (
+            "Mooncake cluster full (NO_AVAILABLE_HANDLE -200): eviction has not freed room yet or "
+            "everything is leased; retry later or add storage segments"
+        )
+    if code == MooncakeCode.TRANSFER_FAIL:
+        return "transfer to the Mooncake storage process failed (TRANSFER_FAIL -800); not stored"
+    if code == MooncakeCode.BUFFER_OVERFLOW:
+        return "the Mooncake local buffer is busy (-600); retry or raise --mooncake-local-buffer"
+    return f"Mooncake refused the put: {describe(code)}"
+
+
+def read_master_metrics(address: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """Unlabelled samples of the master's Prometheus text endpoint (http://ADDRESS/metrics)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"Mooncake master metrics at {address} unreachable ({exc}); check --mooncake-metrics"
+        ) from exc
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" in line:
+            continue
+        name, _, number = line.partition(" ")
+        try:
+            samples[name] = float(number)
+        except ValueError:
+            continue
+    return samples
