@@ -1,0 +1,186 @@
+"""`kvtag-store`: serve the store, and ask a running one for its census, stats or health."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+
+from kvtag_store import logs, report
+from kvtag_store.backends import mooncake_options
+from kvtag_store.backends.base import BlockBackend, CensusStore
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.config import (
+    add_serve_arguments,
+    env_default,
+    env_name,
+    parse_size,
+    policy_name,
+    service_config,
+)
+from kvtag_store.server import start_server
+
+log = logging.getLogger("kvtag_store")
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtag-store",
+        description="kvtag store: a KV-cache block store that knows how every key was hashed",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the store service")
+    add_serve_arguments(serve)
+    mooncake_options.add_arguments(serve)
+    for name, help_text in (
+        ("diagnose", "print the census and mismatch report of a running store"),
+        ("stats", "print capacity and usage of a running store"),
+        ("health", "standard gRPC health check; exit 0 iff SERVING"),
+    ):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument(
+            "--target",
+            default=env_default("--target", DEFAULT_TARGET),
+            help=f"store address HOST:PORT [env {env_name('--target')}, default {DEFAULT_TARGET}]",
+        )
+        sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+        if name == "diagnose":
+            sub.add_argument("--namespace", default="", help="only this namespace_id")
+        if name != "health":
+            sub.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(parser, args)
+    if args.command == "health":
+        return health_check(args.target, args.timeout)
+    return query(args)
+
+
+def _build_backend(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
+    if args.backend == "mooncake":
+        return mooncake_options.build(args)
+    memory = MemoryBackend(parse_size(str(args.capacity)))
+    return memory, MemoryCensus()
+
+
+def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        config = service_config(args)
+        workers = int(args.workers)
+        parse_size(str(args.capacity))
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(str(exc))
+    logs.configure(args.log_format, args.log_level)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        backend, census_store = _build_backend(args)
+        running = start_server(
+            backend,
+            census_store,
+            config,
+            listen=args.listen,
+            metrics_listen=args.metrics_listen,
+            workers=workers,
+        )
+    except Exception as exc:  # a bind failure or an unreachable backend: say so and exit non-zero
+        log.error("cannot start: %s", exc)
+        return 1
+    stats = backend.stats()
+    log.info(
+        "kvtag-store serving on %s",
+        running.address,
+        extra={
+            "listen": running.address,
+            "backend": stats.backend,
+            "capacity_bytes": stats.capacity_bytes,
+            "policy": policy_name(config.default_policy),
+            "metrics": running.metrics_address or "disabled",
+            "pid": os.getpid(),
+        },
+    )
+    while not stop.wait(1.0):
+        pass
+    running.stop(grace=5.0)
+    log.info("stopped cleanly")
+    return 0
+
+
+def health_check(target: str, timeout: float) -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError as exc:
+            print(f"{target}: not healthy ({_describe(exc)})", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(f"{target}: {status}")
+    return 0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def query(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            if args.command == "diagnose":
+                answer: pb.DiagnoseResponse | pb.GetStatsResponse = stub.Diagnose(
+                    pb.DiagnoseRequest(namespace_id=args.namespace), timeout=args.timeout
+                )
+            else:
+                answer = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(
+                f"cannot reach the store at {args.target}: {_describe(exc)}",
+                file=sys.stderr,
+            )
+            return 1
+    if args.json:
+        print(
+            json.dumps(
+                json_format.MessageToDict(
+                    answer, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+                ),
+                indent=2,
+            )
+        )
+    elif isinstance(answer, pb.DiagnoseResponse):
+        print(report.diagnose_table(answer))
+    else:
+        print(report.stats_table(answer))
+    return 0
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    if isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Service settings: the `serve` flags, their KVTAG_* environment variables, sizes like 4GiB."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtag.v1 import store_pb2 as pb
+
+ENV_PREFIX = "KVTAG_"
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "4GiB", "512MiB", "64KiB" or "2GB" (decimal)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
+    number, unit = int(match.group(1)), (match.group(2) or "").upper().rstrip("B")
+    if not unit:
+        return number
+    power = "KMGT".index(unit[0]) + 1
+    base = 1024 if unit.endswith("I") else 1000
+    return number * int(base**power)
+
+
+def parse_policy(text: str) -> int:
+    names: dict[str, int] = {"isolate": pb.POLICY_ISOLATE, "strict": pb.POLICY_STRICT}
+    try:
+        return names[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}: use isolate or strict") from None
+
+
+_POLICY_NAMES: dict[int, str] = {pb.POLICY_ISOLATE: "isolate", pb.POLICY_STRICT: "strict"}
+
+
+def policy_name(policy: int) -> str:
+    return _POLICY_NAMES.get(policy, "unspecified")
+
+
+def parse_namespace_policy(text: str) -> tuple[str, int]:
+    ns_id, sep, policy = text.partition("=")
+    if not sep or not ns_id.strip():
+        raise argparse.ArgumentTypeError(f"expected NAMESPACE_ID=POLICY, got {text!r}")
+    return ns_id.strip(), parse_policy(policy)
+
+
+def env_name(flag: str) -> str:
+    """--session-ttl-ms -> KVTAG_SESSION_TTL_MS."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def env_default(flag: str, default: str) -> str:
+    return os.environ.get(env_name(flag), default)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_key_bytes: int = 256
+    max_batch_items: int = 65536
+    max_message_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the API layer needs to know; the CLI builds it from flags."""
+
+    default_policy: int = pb.POLICY_ISOLATE
+    namespace_policies: dict[str, int] = field(default_factory=dict)
+    session_ttl_ms: int = 30_000
+    default_lease_ms: int = 30_000
+    max_lease_ms: int = 600_000
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+    # Bound on the base-key index used to count cross-mode misses.
+    base_index_entries: int = 1_000_000
+
+    def policy_for(self, namespace_id: str) -> int:
+        return self.namespace_policies.get(namespace_id, self.default_policy)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve flags; each defaults to its KVTAG_* environment variable, then to the built-in default."""
+
+    def flag(name: str, default: str, help_text: str, **kwargs: object) -> None:
+        env = env_name(name)
+        parser.add_argument(
+            name,
+            default=env_default(name, default),
+            help=f"{help_text} [env {env}, default {default!r}]",
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    flag("--listen", "127.0.0.1:50051", "gRPC listen address HOST:PORT (port 0 picks a free one)")
+    flag("--capacity", "1GiB", "bytes of values the memory backend holds, e.g. 4GiB, 512MiB")
+    flag("--policy", "isolate", "default namespace policy: isolate or strict")
+    flag("--metrics-listen", "127.0.0.1:9464", "Prometheus metrics HOST:PORT; empty disables")
+    flag("--backend", "memory", "storage backend: memory or mooncake", choices=["memory", "mooncake"])
+    flag("--session-ttl-ms", "30000", "a session expires this long after its last call")
+    flag("--lease-ms", "30000", "default read lease for Lookup hits")
+    flag("--max-lease-ms", "600000", "longest lease a client may ask for")
+    flag("--max-key-bytes", "256", "longest accepted key")
+    flag("--max-batch-items", "65536", "most items in one Lookup/Put/Get request")
+    flag("--max-message-bytes", "64MiB", "largest gRPC message sent or received")
+    flag("--workers", "16", "gRPC worker threads")
+    flag("--base-index-entries", "1000000", "bound of the base-key index behind cross-mode miss counts")
+    flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
+    flag("--log-level", "info", "log level: debug, info, warning, error")
+    env = env_name("--namespace-policy")
+    parser.add_argument(
+        "--namespace-policy",
+        action="append",
+        type=parse_namespace_policy,
+        default=None,
+        metavar="NAMESPACE_ID=POLICY",
+        help=f"per-namespace policy override, repeatable [env {env}, comma-separated]",
+    )
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """Validate the parsed flags into a ServiceConfig (argparse.ArgumentTypeError on bad values)."""
+    overrides: Sequence[tuple[str, int]] = args.namespace_policy or [
+        parse_namespace_policy(item)
+        for item in os.environ.get(env_name("--namespace-policy"), "").split(",")
+        if item.strip()
+    ]
+    return ServiceConfig(
+        default_policy=parse_policy(args.policy),
+        namespace_policies=dict(overrides),
+        session_ttl_ms=_positive("--session-ttl-ms", args.session_ttl_ms),
+        default_lease_ms=_positive("--lease-ms", args.lease_ms),
+        max_lease_ms=_positive("--max-lease-ms", args.max_lease_ms),
+        limits=ServiceLimits(
+            max_key_bytes=_positive("--max-key-bytes", args.max_key_bytes),
+            max_batch_items=_positive("--max-batch-items", args.max_batch_items),
+            max_message_bytes=parse_size(str(args.max_message_bytes)),
+        ),
+        base_index_entries=_positive("--base-index-entries", args.base_index_entries),
+    )
+
+
+def _positive(flag: str, value: object) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value!r}")
+    return number

@@ -1,0 +1,149 @@
+"""Request-level failures of the API layer, raised as ApiError and sent as rich gRPC statuses.
+
+The table of codes and reasons is docs/errors.md; every constructor here is one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.errors import build_status
+
+
+class ApiError(Exception):
+    """A failure the caller can act on: canonical code, ErrorReason name, message and details."""
+
+    def __init__(self, status: grpc.Status, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def _error(
+    code: grpc.StatusCode,
+    reason: int,
+    message: str,
+    *,
+    field_violations: Sequence[tuple[str, str]] = (),
+    metadata: dict[str, str] | None = None,
+    mode_refusal: pb.ModeRefusal | None = None,
+    probe_disagreement: pb.ProbeDisagreement | None = None,
+) -> ApiError:
+    name = pb.ErrorReason.Name(reason)
+    status = build_status(
+        code,
+        name,
+        message,
+        metadata=metadata,
+        field_violations=field_violations,
+        mode_refusal=mode_refusal,
+        probe_disagreement=probe_disagreement,
+    )
+    return ApiError(status, name, message)
+
+
+def session_not_found(session_id: str) -> ApiError:
+    shown = session_id[:64]
+    return _error(
+        grpc.StatusCode.NOT_FOUND,
+        pb.SESSION_NOT_FOUND,
+        f"session {shown!r} is unknown or expired (sessions expire without a call or Heartbeat "
+        "within session_ttl_ms); open a new session with OpenSession",
+        metadata={"session_id": shown},
+    )
+
+
+def invalid_request(message: str, field: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.INVALID_REQUEST,
+        message,
+        field_violations=[(field, message)],
+    )
+
+
+def invalid_descriptor(violations: Sequence[tuple[str, str]]) -> ApiError:
+    fields = ", ".join(f for f, _ in violations)
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.INVALID_DESCRIPTOR,
+        f"the session descriptor is incomplete or out of range ({fields}); "
+        "fill in every required namespace and mode field (see kvtag.v1 NamespaceDescriptor/HashingMode)",
+        field_violations=violations,
+    )
+
+
+def invalid_probe(message: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.INVALID_PROBE,
+        f"{message}; send exactly two probe keys: the keys your mode produces for the probe tokens "
+        "(kvtag_proto.ids.probe_tokens)",
+        field_violations=[("probe_keys", message)],
+    )
+
+
+def empty_key(field: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.EMPTY_KEY,
+        f"{field} is an empty key; every block needs a key of 1 or more bytes",
+        field_violations=[(field, "empty key")],
+    )
+
+
+def key_too_large(field: str, size: int, limit: int) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.KEY_TOO_LARGE,
+        f"{field} is {size} bytes, longer than the limit of {limit} bytes (Limits.max_key_bytes); "
+        "send the block hash digest, not the tokens",
+        field_violations=[(field, f"{size} bytes > {limit}")],
+        metadata={"limit": str(limit)},
+    )
+
+
+def batch_too_large(field: str, count: int, limit: int) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.BATCH_TOO_LARGE,
+        f"{field} has {count} items, more than the limit of {limit} (Limits.max_batch_items); "
+        "split the batch",
+        field_violations=[(field, f"{count} items > {limit}")],
+        metadata={"limit": str(limit)},
+    )
+
+
+def mode_refused(message: str, refusal: pb.ModeRefusal) -> ApiError:
+    return _error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.MODE_REFUSED,
+        message,
+        mode_refusal=refusal,
+        metadata={
+            "namespace_id": refusal.namespace_id,
+            "established_mode_id": refusal.established_mode_id,
+            "requested_mode_id": refusal.requested_mode_id,
+        },
+    )
+
+
+def probe_disagreement(message: str, record: pb.ProbeDisagreement) -> ApiError:
+    return _error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.PROBE_DISAGREEMENT,
+        message,
+        probe_disagreement=record,
+        metadata={"namespace_id": record.namespace_id, "mode_id": record.mode_id},
+    )
+
+
+def backend_unavailable(detail: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.UNAVAILABLE,
+        pb.BACKEND_UNAVAILABLE,
+        f"the storage backend cannot be reached ({detail}); retry with backoff",
+    )

@@ -1,0 +1,99 @@
+"""Prometheus metrics: request counters updated per batch, store and census figures read at scrape time."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from kvtag.v1 import store_pb2 as pb
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtag_store.backends.base import BackendStats
+
+
+class StoreMetrics:
+    """One registry per server, so several in-process servers (tests) never collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_seconds = Histogram(
+            "kvtag_rpc_duration_seconds",
+            "Server-side RPC latency",
+            ["method"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
+        )
+        self.rpc_errors = Counter(
+            "kvtag_rpc_errors_total",
+            "RPCs failed with a kvtag error",
+            ["method", "reason"],
+            registry=self.registry,
+        )
+        self.lookup_keys = Counter(
+            "kvtag_lookup_keys_total", "Looked-up keys by status", ["status"], registry=self.registry
+        )
+        self.get_keys = Counter(
+            "kvtag_get_keys_total", "Read keys by status", ["status"], registry=self.registry
+        )
+        self.put_items = Counter(
+            "kvtag_put_items_total", "Put items by result", ["status"], registry=self.registry
+        )
+        self.put_bytes = Counter("kvtag_put_bytes_total", "Value bytes stored", registry=self.registry)
+        self.get_bytes = Counter("kvtag_get_bytes_total", "Value bytes served", registry=self.registry)
+        self.cross_mode_misses = Counter(
+            "kvtag_cross_mode_misses_total",
+            "Lookup misses whose block another mode held",
+            registry=self.registry,
+        )
+        self.sessions_refused = Counter(
+            "kvtag_sessions_refused_total", "OpenSession refusals", ["reason"], registry=self.registry
+        )
+        self.probe_disagreements = Counter(
+            "kvtag_probe_disagreements_total", "Sessions whose probe keys disagreed", registry=self.registry
+        )
+        self.sessions_expired = Counter(
+            "kvtag_sessions_expired_total", "Sessions expired without heartbeat", registry=self.registry
+        )
+
+    def watch(self, stats: Callable[[], BackendStats], live_sessions: Callable[[], int]) -> None:
+        self.registry.register(_StoreCollector(stats, live_sessions))
+
+    def serve(self, listen: str) -> tuple[WSGIServer, threading.Thread]:
+        host, _, port = listen.rpartition(":")
+        return start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], BackendStats], live_sessions: Callable[[], int]) -> None:
+        self._stats = stats
+        self._live = live_sessions
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats()
+        yield GaugeMetricFamily("kvtag_capacity_bytes", "Store capacity", value=stats.capacity_bytes)
+        yield GaugeMetricFamily("kvtag_used_bytes", "Value bytes held", value=stats.used_bytes)
+        yield GaugeMetricFamily("kvtag_keys", "Blocks held", value=stats.keys)
+        yield GaugeMetricFamily("kvtag_leased_keys", "Blocks held by read leases", value=stats.leased_keys)
+        yield CounterMetricFamily("kvtag_evictions", "Blocks evicted for room", value=stats.evictions)
+        yield CounterMetricFamily(
+            "kvtag_corrupted_dropped", "Values dropped on checksum mismatch", value=stats.corrupted_dropped
+        )
+        yield GaugeMetricFamily("kvtag_live_sessions", "Live sessions", value=self._live())
+        per_ns = GaugeMetricFamily(
+            "kvtag_namespace_used_bytes", "Value bytes per namespace", labels=["namespace"]
+        )
+        for ns_id, (_keys, used) in sorted(stats.per_namespace.items()):
+            per_ns.add_metric([ns_id], used)
+        yield per_ns
+
+
+KEY_STATUS_NAMES = {pb.HIT: "hit", pb.MISS: "miss", pb.MODE_MISMATCH: "mode_mismatch"}
+PUT_STATUS_NAMES = {
+    pb.STORED: "stored",
+    pb.ALREADY_PRESENT: "already_present",
+    pb.CONFLICT: "conflict",
+    pb.REJECTED: "rejected",
+}

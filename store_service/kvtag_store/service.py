@@ -1,0 +1,419 @@
+"""The kvtag.v1 KvStore API layer: sessions, tag enforcement, leases and counters over a BlockBackend."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+
+from kvtag_store import errors, validation
+from kvtag_store.backends.base import (
+    BackendUnavailable,
+    BlockAddress,
+    BlockBackend,
+    BlockKey,
+    CensusStore,
+    KeyStatus,
+    PutOutcome,
+    PutResult,
+)
+from kvtag_store.census import Census
+from kvtag_store.config import ServiceConfig
+from kvtag_store.crossmode import BaseKeyIndex
+from kvtag_store.metrics import KEY_STATUS_NAMES, PUT_STATUS_NAMES, StoreMetrics
+from kvtag_store.sessions import Session, SessionTable, Unpin
+
+log = logging.getLogger("kvtag_store.service")
+
+# Room left in a message for everything but the value (keys, statuses, framing).
+MESSAGE_OVERHEAD = 1 << 20
+_HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
+
+R = TypeVar("R")
+
+
+def rpc(method: Callable[..., R]) -> Callable[..., R]:
+    """Time the call and turn ApiError / BackendUnavailable into rich statuses."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: KvStoreService, request: Any, context: grpc.ServicerContext) -> R:
+        started = time.perf_counter()
+        failure: errors.ApiError | None = None
+        try:
+            return method(self, request, context)
+        except errors.ApiError as exc:
+            failure = exc
+        except BackendUnavailable as exc:
+            failure = errors.backend_unavailable(str(exc))
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
+        self.metrics.rpc_errors.labels(name, failure.reason).inc()
+        log.info("%s refused: %s", name, failure.message, extra={"rpc": name, "reason": failure.reason})
+        context.abort_with_status(failure.status)
+        raise AssertionError("abort_with_status returns only by raising")
+
+    return wrapper
+
+
+class KvStoreService(store_pb2_grpc.KvStoreServicer):
+    def __init__(
+        self, backend: BlockBackend, census_store: CensusStore, config: ServiceConfig, metrics: StoreMetrics
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self.limits = config.limits
+        self.metrics = metrics
+        self.sessions = SessionTable(config.session_ttl_ms)
+        self.census = Census(census_store, config.namespace_policies, config.default_policy)
+        self.base_index = BaseKeyIndex(config.base_index_entries)
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        metrics.watch(backend.stats, self.census.live_sessions)
+
+    # -- lifecycle ----------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread that expires sessions and leases."""
+        self._reaper = threading.Thread(target=self._reap_forever, name="kvtag-reaper", daemon=True)
+        self._reaper.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+
+    def _reap_forever(self) -> None:
+        interval = min(0.25, self.config.session_ttl_ms / 4000.0)
+        while not self._stop.wait(interval):
+            try:
+                self.reap()
+            except Exception:  # the reaper must outlive a bad backend call
+                log.exception("reaping expired sessions failed")
+
+    def reap(self) -> None:
+        dead, unpins = self.sessions.expire()
+        for session in dead:
+            self.census.left(session)
+            self.metrics.sessions_expired.inc()
+            log.info(
+                "session expired without heartbeat",
+                extra={"session_id": session.session_id, "engine_id": session.engine_id},
+            )
+        self._unpin(unpins)
+
+    def _unpin(self, unpins: Iterable[Unpin]) -> None:
+        for namespace_id, addresses in unpins:
+            self.backend.unpin(namespace_id, addresses)
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.touch(validation.session_id(session_id))
+        if session is None:
+            raise errors.session_not_found(session_id)
+        return session
+
+    def limits_message(self) -> pb.Limits:
+        return pb.Limits(
+            max_key_bytes=self.limits.max_key_bytes,
+            max_batch_items=self.limits.max_batch_items,
+            max_value_bytes=min(
+                self.backend.max_value_bytes, self.limits.max_message_bytes - MESSAGE_OVERHEAD
+            ),
+            max_message_bytes=self.limits.max_message_bytes,
+        )
+
+    # -- sessions -----------------------------------------------------------
+
+    @rpc
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionResponse:
+        validation.open_session(request, self.limits)
+        try:
+            admission = self.census.admit(request)
+        except errors.ApiError as refusal:
+            self.metrics.sessions_refused.labels(refusal.reason).inc()
+            if refusal.reason == "PROBE_DISAGREEMENT":
+                self.metrics.probe_disagreements.inc()
+            raise
+        if any(w.kind == "PROBE_DISAGREEMENT" for w in admission.warnings):
+            self.metrics.probe_disagreements.inc()
+        session = self.sessions.open(
+            request.engine_id, admission.namespace_id, admission.mode_id, dict(request.labels)
+        )
+        self.census.joined(session, request.mode)
+        log.info(
+            "session opened",
+            extra={
+                "session_id": session.session_id,
+                "engine_id": request.engine_id,
+                "namespace_id": admission.namespace_id,
+                "mode_id": admission.mode_id,
+                "warnings": [w.kind for w in admission.warnings],
+            },
+        )
+        return pb.OpenSessionResponse(
+            session_id=session.session_id,
+            namespace_id=admission.namespace_id,
+            mode_id=admission.mode_id,
+            policy=admission.policy,  # type: ignore[arg-type]
+            warnings=admission.warnings,
+            session_ttl_ms=self.config.session_ttl_ms,
+            data_path=pb.DATA_PATH_INLINE,
+            limits=self.limits_message(),
+        )
+
+    @rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self._session(request.session_id)
+        return pb.HeartbeatResponse(session_ttl_ms=self.config.session_ttl_ms)
+
+    @rpc
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        session, unpins = self.sessions.close(validation.session_id(request.session_id))
+        self._unpin(unpins)
+        if session is not None:
+            self.census.left(session)
+            log.info(
+                "session closed", extra={"session_id": session.session_id, "engine_id": session.engine_id}
+            )
+        return pb.CloseSessionResponse()
+
+    # -- data ---------------------------------------------------------------
+
+    @rpc
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        session = self._session(request.session_id)
+        addresses = validation.addresses(request.blocks, "blocks", self.limits)
+        ns_id, mode_id = session.namespace_id, session.mode_id
+        statuses = self.backend.lookup(ns_id, mode_id, addresses)
+        hits = statuses.count(_HIT)
+        mismatches = statuses.count(_MISMATCH)
+        misses = len(statuses) - hits - mismatches
+        prefix = _prefix_length(statuses, misses, mismatches)
+        cross = self._cross_mode_misses(session, request.blocks, statuses) if misses else None
+        response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
+        if hits:
+            hit_addresses = (
+                addresses
+                if hits == len(addresses)
+                else [a for a, s in zip(addresses, statuses, strict=True) if s == _HIT]
+            )
+            lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
+            self.backend.pin(ns_id, hit_addresses)
+            lease_id = self.sessions.add_lease(session, ns_id, hit_addresses, lease_ms)
+            response.lease.lease_id = lease_id
+            response.lease.expires_in_ms = lease_ms
+        self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches, cross_mode=cross)
+        self._count_keys(self.metrics.lookup_keys, hits, misses, mismatches)
+        if cross:
+            self.metrics.cross_mode_misses.inc(sum(cross.values()))
+        return response
+
+    def _cross_mode_misses(
+        self, session: Session, blocks: Any, statuses: list[KeyStatus]
+    ) -> Counter[str] | None:
+        """Misses another mode holds, by base key. Clients send base keys for all items or none, so the
+        first miss tells whether to look (reading base_key of every item would double Lookup's cost)."""
+        missed = [i for i, s in enumerate(statuses) if s == _MISS]
+        if not blocks[missed[0]].base_key:
+            return None
+        items = [(blocks[i].group, blocks[i].base_key) for i in missed]
+        items = [item for item in items if item[1]]
+        return self.base_index.other_holders(session.namespace_id, session.mode_id, items) or None
+
+    @staticmethod
+    def _count_keys(counter: Any, hits: int, misses: int, mismatches: int) -> None:
+        if hits:
+            counter.labels(KEY_STATUS_NAMES[pb.HIT]).inc(hits)
+        if misses:
+            counter.labels(KEY_STATUS_NAMES[pb.MISS]).inc(misses)
+        if mismatches:
+            counter.labels(KEY_STATUS_NAMES[pb.MODE_MISMATCH]).inc(mismatches)
+
+    def _put_items(self, session: Session, items: Iterable[pb.PutItem], results: list[pb.PutResult]) -> None:
+        ns_id, mode_id = session.namespace_id, session.mode_id
+        outcomes: Counter[int] = Counter()
+        base_keys: list[tuple[int, bytes]] = []
+        stored_bytes = 0
+        for item in items:
+            block = item.block
+            group, key = block.group, block.key
+            payload = item.WhichOneof("payload")
+            if payload == "value":
+                value = item.value
+                result = self.backend.put(ns_id, mode_id, (group, BlockKey(key)), value)
+                if result.outcome is PutOutcome.STORED:
+                    stored_bytes += len(value)
+            elif payload == "shared_memory":
+                result = PutResult(
+                    PutOutcome.REJECTED,
+                    "data path not negotiated: this session uses DATA_PATH_INLINE; send the bytes in `value`",
+                )
+            else:
+                result = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
+            outcomes[result.outcome] += 1
+            if block.base_key and result.outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
+                base_keys.append((group, block.base_key))
+            results.append(pb.PutResult(status=result.outcome, reason=result.reason))  # type: ignore[arg-type]
+        if base_keys:
+            self.base_index.record(ns_id, mode_id, base_keys)
+        self.census.count(
+            session, conflicts=outcomes[PutOutcome.CONFLICT], stored=outcomes[PutOutcome.STORED]
+        )
+        for outcome, count in outcomes.items():
+            self.metrics.put_items.labels(PUT_STATUS_NAMES[outcome]).inc(count)  # type: ignore[index]
+        if stored_bytes:
+            self.metrics.put_bytes.inc(stored_bytes)
+
+    def _check_put_keys(self, items: Any) -> None:
+        validation.batch_size("items", len(items), self.limits)
+        for index, item in enumerate(items):
+            validation.key(item.block.key, f"items[{index}].block.key", self.limits)
+
+    @rpc
+    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        session = self._session(request.session_id)
+        self._check_put_keys(request.items)
+        response = pb.PutResponse()
+        results: list[pb.PutResult] = []
+        self._put_items(session, request.items, results)
+        response.results.extend(results)
+        return response
+
+    @rpc
+    def PutStream(
+        self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext
+    ) -> pb.PutResponse:
+        session: Session | None = None
+        results: list[pb.PutResult] = []
+        for request in request_iterator:
+            if session is None:
+                session = self._session(request.session_id)
+            elif request.session_id and request.session_id != session.session_id:
+                raise errors.invalid_request(
+                    "a PutStream carries one session; later messages must omit session_id or repeat it",
+                    "session_id",
+                )
+            else:
+                self.sessions.touch(session.session_id)
+            self._check_put_keys(request.items)
+            self._put_items(session, request.items, results)
+        if session is None:
+            raise errors.invalid_request(
+                "PutStream carried no message; send at least one PutRequest", "session_id"
+            )
+        response = pb.PutResponse()
+        response.results.extend(results)
+        return response
+
+    def _read(self, request: pb.GetRequest) -> tuple[Session, list[BlockAddress], list[Any]]:
+        session = self._session(request.session_id)
+        addresses = validation.addresses(request.blocks, "blocks", self.limits)
+        results = self.backend.get(session.namespace_id, session.mode_id, addresses)
+        if request.lease_id:
+            self._unpin(self.sessions.release(session, [request.lease_id]))
+        hits = sum(1 for r in results if r.status == _HIT)
+        mismatches = sum(1 for r in results if r.status == _MISMATCH)
+        misses = len(results) - hits - mismatches
+        self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
+        self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
+        return session, addresses, results
+
+    @rpc
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        _, _, results = self._read(request)
+        served = 0
+        out = []
+        for r in results:
+            if r.value is not None:
+                served += len(r.value)
+                out.append(pb.GetResult(status=r.status, value=r.value))
+            else:
+                out.append(pb.GetResult(status=r.status))
+        self.metrics.get_bytes.inc(served)
+        return pb.GetResponse(results=out)
+
+    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        started = time.perf_counter()
+        try:
+            _, _, results = self._read(request)
+        except errors.ApiError as exc:
+            self.metrics.rpc_errors.labels("GetStream", exc.reason).inc()
+            context.abort_with_status(exc.status)
+            return
+        except BackendUnavailable as exc:
+            context.abort_with_status(errors.backend_unavailable(str(exc)).status)
+            return
+        finally:
+            self.metrics.rpc_seconds.labels("GetStream").observe(time.perf_counter() - started)
+        budget = min(self.limits.max_message_bytes - MESSAGE_OVERHEAD, 8 << 20)
+        chunk: list[pb.GetResult] = []
+        size = 0
+        served = 0
+        for r in results:
+            length = len(r.value) if r.value is not None else 0
+            if chunk and size + length > budget:
+                yield pb.GetResponse(results=chunk)
+                chunk, size = [], 0
+            if r.value is not None:
+                chunk.append(pb.GetResult(status=r.status, value=r.value))
+            else:
+                chunk.append(pb.GetResult(status=r.status))
+            size += length + 16
+            served += length
+        if chunk or not results:
+            yield pb.GetResponse(results=chunk)
+        self.metrics.get_bytes.inc(served)
+
+    @rpc
+    def ReleaseLeases(
+        self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseLeasesResponse:
+        session = self._session(request.session_id)
+        validation.batch_size("lease_ids", len(request.lease_ids), self.limits)
+        self._unpin(self.sessions.release(session, list(request.lease_ids)))
+        return pb.ReleaseLeasesResponse()
+
+    # -- diagnostics --------------------------------------------------------
+
+    @rpc
+    def Diagnose(self, request: pb.DiagnoseRequest, context: grpc.ServicerContext) -> pb.DiagnoseResponse:
+        return self.census.report(request.namespace_id)
+
+    @rpc
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        stats = self.backend.stats()
+        return pb.GetStatsResponse(
+            backend=stats.backend,
+            capacity_bytes=stats.capacity_bytes,
+            used_bytes=stats.used_bytes,
+            keys=stats.keys,
+            evictions=stats.evictions,
+            leased_keys=stats.leased_keys,
+            corrupted_dropped=stats.corrupted_dropped,
+            namespaces=[
+                pb.NamespaceStats(namespace_id=ns_id, keys=keys, used_bytes=used)
+                for ns_id, (keys, used) in sorted(stats.per_namespace.items())
+            ],
+        )
+
+
+def _prefix_length(statuses: list[KeyStatus], misses: int, mismatches: int) -> int:
+    """Index of the first non-HIT, found by C-level list.index rather than a Python loop."""
+    first = len(statuses)
+    if misses:
+        first = statuses.index(_MISS)
+    if mismatches:
+        first = min(first, statuses.index(_MISMATCH))
+    return first

@@ -1,0 +1,146 @@
+"""Live sessions and their read leases, both expiring on a clock.
+
+Sessions expire session_ttl after their last call; leases after their own
+duration. The table never touches the backend: it returns what to unpin and
+the API layer unpins it, so this module stays backend-agnostic and testable.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtag_store.backends.base import BlockAddress
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class Session:
+    session_id: str
+    engine_id: str
+    namespace_id: str
+    mode_id: str
+    labels: dict[str, str]
+    opened_unix_ms: int
+    last_seen_unix_ms: int
+    deadline: float  # time.monotonic()
+    leases: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    session_id: str
+    namespace_id: str
+    addresses: Sequence[BlockAddress]
+    deadline: float
+
+
+# (namespace_id, addresses) to unpin in the backend.
+Unpin = tuple[str, Sequence[BlockAddress]]
+
+
+class SessionTable:
+    """Thread-safe sessions + leases. `clock` is injectable only so tests need not sleep long."""
+
+    def __init__(self, session_ttl_ms: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.session_ttl_ms = session_ttl_ms
+        self._ttl = session_ttl_ms / 1000.0
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._leases: dict[str, Lease] = {}
+
+    def open(self, engine_id: str, namespace_id: str, mode_id: str, labels: dict[str, str]) -> Session:
+        wall = now_ms()
+        session = Session(
+            session_id="s-" + secrets.token_hex(12),
+            engine_id=engine_id,
+            namespace_id=namespace_id,
+            mode_id=mode_id,
+            labels=labels,
+            opened_unix_ms=wall,
+            last_seen_unix_ms=wall,
+            deadline=self._clock() + self._ttl,
+        )
+        with self._lock:
+            self._sessions[session.session_id] = session
+        return session
+
+    def touch(self, session_id: str) -> Session | None:
+        """The live session, its deadline pushed out; None when unknown or expired."""
+        now = self._clock()
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.deadline <= now:
+                return None
+            session.deadline = now + self._ttl
+            session.last_seen_unix_ms = now_ms()
+            return session
+
+    def close(self, session_id: str) -> tuple[Session | None, list[Unpin]]:
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return None, []
+            return session, self._drop_leases(session.leases)
+
+    def add_lease(
+        self, session: Session, namespace_id: str, addresses: Sequence[BlockAddress], lease_ms: int
+    ) -> str:
+        lease = Lease(
+            lease_id="l-" + secrets.token_hex(12),
+            session_id=session.session_id,
+            namespace_id=namespace_id,
+            addresses=addresses,
+            deadline=self._clock() + lease_ms / 1000.0,
+        )
+        with self._lock:
+            self._leases[lease.lease_id] = lease
+            session.leases.add(lease.lease_id)
+        return lease.lease_id
+
+    def release(self, session: Session, lease_ids: Sequence[str]) -> list[Unpin]:
+        """Release the session's own leases; unknown, expired or foreign ids are ignored (idempotent)."""
+        with self._lock:
+            mine = [lid for lid in lease_ids if lid in session.leases]
+            return self._drop_leases(mine)
+
+    def _drop_leases(self, lease_ids: Sequence[str] | set[str]) -> list[Unpin]:
+        unpins: list[Unpin] = []
+        for lease_id in list(lease_ids):
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                continue
+            owner = self._sessions.get(lease.session_id)
+            if owner is not None:
+                owner.leases.discard(lease_id)
+            unpins.append((lease.namespace_id, lease.addresses))
+        return unpins
+
+    def expire(self) -> tuple[list[Session], list[Unpin]]:
+        """Remove expired sessions (with their leases) and expired leases; return what to report and unpin."""
+        now = self._clock()
+        with self._lock:
+            dead = [s for s in self._sessions.values() if s.deadline <= now]
+            unpins: list[Unpin] = []
+            for session in dead:
+                del self._sessions[session.session_id]
+                unpins.extend(self._drop_leases(session.leases))
+            stale = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+            unpins.extend(self._drop_leases(stale))
+            return dead, unpins
+
+    def live(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def lease_count(self) -> int:
+        with self._lock:
+            return len(self._leases)

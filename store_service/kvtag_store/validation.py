@@ -1,0 +1,127 @@
+"""Input checks of the API layer; each failure raises the ApiError documented in docs/errors.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter, itemgetter
+
+from kvtag.v1 import store_pb2 as pb
+
+from kvtag_store import errors
+from kvtag_store.backends.base import BlockAddress
+from kvtag_store.config import ServiceLimits
+
+MAX_TEXT = 1024
+MAX_LABELS = 64
+MAX_LABEL_KEY = 128
+MAX_BLOCK_SIZE = 1 << 20
+MAX_LOOKAHEAD = 1024
+MAX_ID = 256
+
+_REQUIRED_NS = ("model_name", "weights_fingerprint", "kv_dtype", "kv_layout", "parallel_sharding")
+_REQUIRED_MODE = ("key_scheme", "scheme_version", "hash_algorithm")
+_ADDRESS = attrgetter("group", "key")
+_KEY = itemgetter(1)
+_KNOWN_DATA_PATHS = {pb.DATA_PATH_INLINE, pb.DATA_PATH_SHARED_MEMORY}
+
+
+def session_id(value: str) -> str:
+    if not value:
+        raise errors.invalid_request("session_id is empty; pass the id OpenSession returned", "session_id")
+    return value
+
+
+def open_session(request: pb.OpenSessionRequest, limits: ServiceLimits) -> None:
+    if not request.engine_id or len(request.engine_id) > MAX_ID:
+        raise errors.invalid_request(
+            f"engine_id must be 1..{MAX_ID} characters (a stable engine name such as host/pid or a pod name)",
+            "engine_id",
+        )
+    violations: list[tuple[str, str]] = []
+    if not request.HasField("namespace"):
+        violations.append(("namespace", "required"))
+    if not request.HasField("mode"):
+        violations.append(("mode", "required"))
+    ns, mode = request.namespace, request.mode
+    if request.HasField("namespace"):
+        violations += _text_fields("namespace", ns, _REQUIRED_NS, ("tenant",))
+        if not 0 < ns.block_size <= MAX_BLOCK_SIZE:
+            violations.append(("namespace.block_size", f"must be 1..{MAX_BLOCK_SIZE}, got {ns.block_size}"))
+    if request.HasField("mode"):
+        violations += _text_fields("mode", mode, _REQUIRED_MODE, ("seed_fingerprint",))
+        if not 0 < mode.hash_block_size <= MAX_BLOCK_SIZE:
+            violations.append(
+                ("mode.hash_block_size", f"must be 1..{MAX_BLOCK_SIZE}, got {mode.hash_block_size}")
+            )
+        if mode.lookahead_tokens > MAX_LOOKAHEAD:
+            violations.append(
+                ("mode.lookahead_tokens", f"must be 0..{MAX_LOOKAHEAD}, got {mode.lookahead_tokens}")
+            )
+    if violations:
+        raise errors.invalid_descriptor(violations)
+    if len(request.labels) > MAX_LABELS or any(
+        len(k) > MAX_LABEL_KEY or len(v) > MAX_TEXT for k, v in request.labels.items()
+    ):
+        raise errors.invalid_request(
+            f"labels: at most {MAX_LABELS} entries, keys up to {MAX_LABEL_KEY} and values up to {MAX_TEXT} "
+            "characters",
+            "labels",
+        )
+    unknown = [p for p in request.data_paths if p not in _KNOWN_DATA_PATHS]
+    if unknown:
+        raise errors.invalid_request(
+            f"data_paths has unknown values {unknown}; use DATA_PATH_INLINE (or leave it empty)", "data_paths"
+        )
+    probe_keys = request.probe_keys
+    if len(probe_keys) != 2:
+        raise errors.invalid_probe(f"got {len(probe_keys)} probe keys")
+    for i, key in enumerate(probe_keys):
+        if not key or len(key) > limits.max_key_bytes:
+            raise errors.invalid_probe(
+                f"probe_keys[{i}] is {len(key)} bytes (allowed 1..{limits.max_key_bytes})"
+            )
+
+
+def _text_fields(
+    prefix: str, message: object, required: Sequence[str], optional: Sequence[str]
+) -> list[tuple[str, str]]:
+    violations: list[tuple[str, str]] = []
+    for name in required:
+        value = getattr(message, name)
+        if not value:
+            violations.append((f"{prefix}.{name}", "required"))
+        elif len(value) > MAX_TEXT:
+            violations.append((f"{prefix}.{name}", f"longer than {MAX_TEXT} characters"))
+    for name in optional:
+        if len(getattr(message, name)) > MAX_TEXT:
+            violations.append((f"{prefix}.{name}", f"longer than {MAX_TEXT} characters"))
+    return violations
+
+
+def batch_size(field: str, count: int, limits: ServiceLimits) -> None:
+    if count > limits.max_batch_items:
+        raise errors.batch_too_large(field, count, limits.max_batch_items)
+
+
+def addresses(blocks: Sequence[pb.BlockRef], field: str, limits: ServiceLimits) -> list[BlockAddress]:
+    """(group, key) per block, checked. One C-level pass builds the tuples; lengths are checked in bulk
+    and the offending item is searched for only on failure."""
+    batch_size(field, len(blocks), limits)
+    result: list[BlockAddress] = list(map(_ADDRESS, blocks))
+    if result:
+        lengths = list(map(len, map(_KEY, result)))
+        if min(lengths) == 0:
+            raise errors.empty_key(f"{field}[{lengths.index(0)}].key")
+        longest = max(lengths)
+        if longest > limits.max_key_bytes:
+            raise errors.key_too_large(
+                f"{field}[{lengths.index(longest)}].key", longest, limits.max_key_bytes
+            )
+    return result
+
+
+def key(address_key: bytes, field: str, limits: ServiceLimits) -> None:
+    if not address_key:
+        raise errors.empty_key(field)
+    if len(address_key) > limits.max_key_bytes:
+        raise errors.key_too_large(field, len(address_key), limits.max_key_bytes)
