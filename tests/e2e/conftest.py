@@ -1,0 +1,36 @@
+"""Fixtures for the end-to-end suite: locally built models, kvtag services, engine processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import StoreService
+from .models import build_all
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_all(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def start_store(work_dir: Path) -> Iterator[Callable[..., StoreService]]:
+    """Starts kvtag-store processes for a module; all are killed at its end."""
+    started: list[StoreService] = []
+
+    def start(*args: str) -> StoreService:
+        service = StoreService(work_dir, *args)
+        started.append(service)
+        return service.start()
+
+    yield start
+    for service in started:
+        service.kill()
