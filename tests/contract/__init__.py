@@ -1,0 +1,1 @@
+"""Backend contract tests shared by every storage backend."""

@@ -1,0 +1,174 @@
+"""The contract every BlockBackend + CensusStore pair fulfils, as a reusable test class.
+
+How to run it against a backend: subclass it in a test module and provide a
+`backend` fixture that returns (BlockBackend, CensusStore). Nothing else is
+needed; every test uses fresh namespace ids, so one long-lived backend (e.g.
+a session-scoped Mooncake cluster) can serve all tests.
+
+    from tests.contract.backend_contract import BackendContract
+
+    class TestMyBackendContract(BackendContract):
+        @pytest.fixture
+        def backend(self) -> tuple[BlockBackend, CensusStore]:
+            return MyBackend(...), MyCensus(...)
+
+Optional hooks a subclass may override:
+- `corrupt_stored_value(backend, namespace_id, address)`: damage the stored
+  bytes of one block (an injected fault) so the checksum test runs; the
+  default skips that test.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from kvtag_store.backends.base import (
+    BlockAddress,
+    BlockBackend,
+    BlockKey,
+    CensusStore,
+    KeyStatus,
+    ProbeRecord,
+    PutOutcome,
+)
+
+Pair = tuple[BlockBackend, CensusStore]
+
+MODE_A = "m-aaaaaaaaaaaaaaaa"
+MODE_B = "m-bbbbbbbbbbbbbbbb"
+
+
+def addr(name: str, group: int = 0) -> BlockAddress:
+    return (group, BlockKey(name.encode()))
+
+
+class BackendContract:
+    """Behaviour shared by all backends. Subclasses supply the `backend` fixture."""
+
+    @pytest.fixture
+    def ns(self) -> str:
+        """A namespace id no other test uses."""
+        return "ns-contract-" + uuid.uuid4().hex[:12]
+
+    def corrupt_stored_value(self, backend: BlockBackend, namespace_id: str, address: BlockAddress) -> None:
+        pytest.skip("this backend offers no way to inject a corrupted value")
+
+    # -- put / get ----------------------------------------------------------
+
+    def test_stored_value_reads_back_identically_in_its_mode(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        value = bytes(range(256)) * 64
+        assert store.put(ns, MODE_A, addr("k"), value).outcome is PutOutcome.STORED
+        [result] = store.get(ns, MODE_A, [addr("k")])
+        assert result.status is KeyStatus.HIT
+        assert result.value == value
+
+    def test_missing_key_reads_as_miss_without_bytes(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        [result] = store.get(ns, MODE_A, [addr("never-stored")])
+        assert result.status is KeyStatus.MISS
+        assert result.value is None
+
+    def test_same_tag_put_is_idempotent_and_keeps_the_first_value(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        assert store.put(ns, MODE_A, addr("k"), b"first").outcome is PutOutcome.STORED
+        assert store.put(ns, MODE_A, addr("k"), b"second").outcome is PutOutcome.ALREADY_PRESENT
+        [result] = store.get(ns, MODE_A, [addr("k")])
+        assert result.value == b"first"
+
+    def test_put_in_another_mode_conflicts_and_never_overwrites(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("k"), b"mode-a-bytes")
+        conflict = store.put(ns, MODE_B, addr("k"), b"mode-b-bytes")
+        assert conflict.outcome is PutOutcome.CONFLICT
+        [result] = store.get(ns, MODE_A, [addr("k")])
+        assert result.status is KeyStatus.HIT and result.value == b"mode-a-bytes"
+
+    def test_wrong_mode_get_returns_no_bytes(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("k"), b"secret")
+        [result] = store.get(ns, MODE_B, [addr("k")])
+        assert result.status is KeyStatus.MODE_MISMATCH
+        assert result.value is None
+
+    def test_lookup_reports_hit_miss_and_mode_mismatch_in_request_order(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("a"), b"1")
+        store.put(ns, MODE_B, addr("b"), b"2")
+        statuses = store.lookup(ns, MODE_A, [addr("a"), addr("missing"), addr("b"), addr("a")])
+        assert statuses == [KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH, KeyStatus.HIT]
+
+    def test_namespaces_never_share_blocks(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        other = ns + "-other"
+        store.put(ns, MODE_A, addr("k"), b"here")
+        assert store.lookup(other, MODE_A, [addr("k")]) == [KeyStatus.MISS]
+        assert store.put(other, MODE_B, addr("k"), b"there").outcome is PutOutcome.STORED
+        [mine] = store.get(ns, MODE_A, [addr("k")])
+        assert mine.value == b"here"
+
+    def test_cache_groups_are_separate_addresses(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("k", group=0), b"attention")
+        store.put(ns, MODE_A, addr("k", group=1), b"mamba-state")
+        results = store.get(ns, MODE_A, [addr("k", 0), addr("k", 1), addr("k", 2)])
+        assert [r.value for r in results] == [b"attention", b"mamba-state", None]
+
+    def test_value_larger_than_the_backend_holds_is_rejected(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        if store.max_value_bytes > 64 << 20:
+            pytest.skip("max_value_bytes too large to allocate a larger value in a test")
+        result = store.put(ns, MODE_A, addr("huge"), bytes(store.max_value_bytes + 1))
+        assert result.outcome is PutOutcome.REJECTED
+        assert result.reason
+        assert store.lookup(ns, MODE_A, [addr("huge")]) == [KeyStatus.MISS]
+
+    def test_pins_nest_and_unpinning_unknown_blocks_is_harmless(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("k"), b"v")
+        store.pin(ns, [addr("k"), addr("unknown")])
+        store.pin(ns, [addr("k")])
+        store.unpin(ns, [addr("k"), addr("unknown")])
+        store.unpin(ns, [addr("k")])
+        store.unpin(ns, [addr("k")])  # one more than pinned: ignored
+        [result] = store.get(ns, MODE_A, [addr("k")])
+        assert result.value == b"v"
+
+    def test_stats_count_stored_keys_and_bytes(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        before = store.stats()
+        store.put(ns, MODE_A, addr("x"), bytes(1000))
+        store.put(ns, MODE_A, addr("y"), bytes(500))
+        after = store.stats()
+        assert after.keys - before.keys == 2
+        assert after.used_bytes - before.used_bytes >= 1500
+        assert after.capacity_bytes > 0
+        assert after.backend == store.name
+
+    def test_corrupted_value_is_dropped_and_never_served(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("k"), b"precious bytes" * 100)
+        before = store.stats().corrupted_dropped
+        self.corrupt_stored_value(store, ns, addr("k"))
+        [result] = store.get(ns, MODE_A, [addr("k")])
+        assert result.status is KeyStatus.MISS
+        assert result.value is None
+        assert store.stats().corrupted_dropped == before + 1
+        assert store.lookup(ns, MODE_A, [addr("k")]) == [KeyStatus.MISS]
+
+    # -- census -------------------------------------------------------------
+
+    def test_first_established_mode_wins(self, backend: Pair, ns: str) -> None:
+        _, census = backend
+        assert census.establish_mode(ns, b"mode-one") == b"mode-one"
+        assert census.establish_mode(ns, b"mode-two") == b"mode-one"
+        assert census.establish_mode(ns + "-other", b"mode-two") == b"mode-two"
+
+    def test_first_probe_record_is_the_reference(self, backend: Pair, ns: str) -> None:
+        _, census = backend
+        first = ProbeRecord(engine_id="engine-a", probe_keys=(b"p1", b"p2"))
+        second = ProbeRecord(engine_id="engine-b", probe_keys=(b"q1", b"q2"))
+        assert census.reference_probe(ns, MODE_A, first) == first
+        assert census.reference_probe(ns, MODE_A, second) == first
+        assert census.reference_probe(ns, MODE_B, second) == second
