@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -89,6 +90,7 @@ def serve_bytes(listen: str, workers: int, max_message_bytes: int) -> None:
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
         ],
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, handlers),))
@@ -119,11 +121,11 @@ class Server:
     address: str
     log_path: Path
 
-    def cpu_seconds(self) -> float:
-        """utime + stime of the server process, all threads (10 ms ticks)."""
+    def cpu_and_faults(self) -> tuple[float, int]:
+        """utime + stime of the server process, all threads (10 ms ticks), and its minor page faults."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        return ticks / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -145,10 +147,18 @@ class Server:
 
 
 @contextlib.contextmanager
-def start_server(name: str, argv: Sequence[str], port: int, log_dir: Path) -> Iterator[Server]:
+def start_server(
+    name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[Server]:
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     server = Server(name, proc, f"127.0.0.1:{port}", log_path)
     try:
         yield server
@@ -185,6 +195,9 @@ class Sample:
     nbytes: int = 0
     server_cpu_s: float = 0.0
     client_cpu_s: float = 0.0
+    # Minor page faults: first touches of fresh memory, which cost microseconds each in this VM.
+    server_faults: int = 0
+    client_faults: int = 0
 
     @property
     def gbps(self) -> float:
@@ -205,6 +218,7 @@ class Series:
         total_bytes = sum(s.nbytes for s in self.samples)
         server_cpu = sum(s.server_cpu_s for s in self.samples)
         client_cpu = sum(s.client_cpu_s for s in self.samples)
+        mib = total_bytes / MiB
         med = statistics.median(rates)
         return {
             "GBps_median": round(med, 4),
@@ -215,6 +229,12 @@ class Series:
             # CPU per byte is robust to load from other processes (wall-clock rate is not).
             "server_cpu_ns_per_byte": round(1e9 * server_cpu / total_bytes, 4) if total_bytes else None,
             "client_cpu_ns_per_byte": round(1e9 * client_cpu / total_bytes, 4) if total_bytes else None,
+            "server_page_faults_per_MiB": round(sum(s.server_faults for s in self.samples) / mib, 1)
+            if mib
+            else None,
+            "client_page_faults_per_MiB": round(sum(s.client_faults for s in self.samples) / mib, 1)
+            if mib
+            else None,
         }
 
 
@@ -224,17 +244,18 @@ def timed_calls(calls: Sequence[Callable[[], int]], server: Server | None, in_fl
     Only the calls are timed. Two in flight lets client and server work at once on two cores.
     """
     pool = futures.ThreadPoolExecutor(in_flight) if in_flight > 1 else None
-    cpu0 = server.cpu_seconds() if server else 0.0
-    ccpu0 = time.process_time()
+    cpu0, faults0 = server.cpu_and_faults() if server else (0.0, 0)
+    ccpu0, cfaults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     results = map(lambda call: call(), calls) if pool is None else pool.map(lambda call: call(), calls)
     nbytes = sum(results)
     elapsed = time.perf_counter() - t0
     ccpu = time.process_time() - ccpu0
-    cpu = (server.cpu_seconds() - cpu0) if server else 0.0
+    cfaults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - cfaults0
+    cpu1, faults1 = server.cpu_and_faults() if server else (0.0, 0)
     if pool is not None:
         pool.shutdown()
-    return Sample(elapsed, nbytes, cpu, ccpu)
+    return Sample(elapsed, nbytes, cpu1 - cpu0, ccpu, faults1 - faults0, cfaults)
 
 
 def block_key(tag: str, index: int) -> bytes:
@@ -322,7 +343,9 @@ class KvtagBench:
             response = self.stub.Put(request)
             stored = sum(1 for r in response.results if r.status == pb.STORED)
             if stored != len(request.items):
-                reasons = {r.reason for r in response.results if r.status != pb.STORED}
+                reasons = {
+                    (pb.PutStatus.Name(r.status), r.reason) for r in response.results if r.status != pb.STORED
+                }
                 raise SystemExit(f"put stored {stored}/{len(request.items)}: {reasons}")
             return expect_bytes
 
@@ -340,7 +363,7 @@ class KvtagBench:
         return call
 
     def put_values(self, keys: Sequence[bytes], value: bytes) -> None:
-        step = int(self.limits.max_batch_items)
+        step = max(1, min(int(self.limits.max_batch_items), TARGET_BATCH_BYTES // (len(value) + 64)))
         for start in range(0, len(keys), step):
             request = pb.PutRequest(
                 session_id=self.session_id,
@@ -493,57 +516,77 @@ def profile_server(
     return summarize_stacks(raw.read_text().splitlines())
 
 
-def classify(frame: str) -> str:
-    """A cost bucket for a leaf frame of a py-spy --native stack."""
-    lowered = frame.lower()
-    if "crc32" in lowered or "zlib" in lowered:
-        return "checksum (zlib.crc32)"
-    if any(s in lowered for s in ("memcpy", "memmove", "__memcpy", "memset")):
-        return "memory copy (memcpy/memmove)"
-    if "_message" in lowered or "upb" in lowered or "protobuf" in lowered:
-        return "protobuf (upb parse/serialize)"
-    if "cygrpc" in lowered or "grpc" in lowered or "libgrpc" in lowered:
-        return "gRPC core + Python binding"
-    if "libc.so" in lowered or "libpthread" in lowered or "ld-linux" in lowered:
-        return "libc (malloc/free/locks/syscalls)"
-    if "python3" in lowered or "libpython" in lowered:
-        return "CPython interpreter (native)"
-    if "kvtag_store" in lowered:
-        return "kvtag_store Python code"
-    if ".py:" in lowered:
-        return "other Python code"
-    return "other native"
+# Stacks whose thread is waiting, not working: pool workers waiting for a call or for the request bytes,
+# the main thread, the session reaper, the completion-queue poller when it sleeps.
+IDLE_MARKERS = (
+    "_queue_SimpleQueue_get",
+    "Event.wait",
+    "Condition.wait",
+    "epoll_wait",
+    "_reap_forever",
+    "pthread_cond_timedwait",
+)
+# The first named frame from the leaf decides the cost bucket (unnamed libc addresses are memcpy,
+# malloc or a page fault inside them, attributed to whoever called them).
+BUCKETS = (
+    (("upb_Encode", "upb_Encoder", "encode_", "upb_BackAlloc", "SerializeInternal"), "protobuf serialize"),
+    (("upb_Decode", "_upb_Decoder", "PyUpb_Message_MergeFromString", "FromString"), "protobuf parse"),
+    (("PyUpb", "upb_"), "protobuf message build / field access"),
+    (("crc32",), "checksum (zlib.crc32)"),
+    (("cygrpc", "libgrpc", "grpc_"), "gRPC core + Cython binding"),
+    (("kvtag_store/",), "kvtag_store Python code"),
+    (("grpc/",), "grpc Python server code"),
+    (("libpython", "python3", "Py", "_Py"), "CPython interpreter"),
+)
+
+
+def named(frame: str) -> bool:
+    return not frame.startswith("0x")
+
+
+def classify(stack: Sequence[str]) -> str:
+    """A cost bucket for one busy py-spy --native stack (leaf last)."""
+    for frame in reversed(stack):
+        if named(frame):
+            for markers, bucket in BUCKETS:
+                if any(m in frame for m in markers):
+                    return bucket
+            return "other: " + frame.split(" (")[0]
+    return "unresolved native"
 
 
 def summarize_stacks(lines: Sequence[str]) -> dict[str, Any]:
-    self_time: collections.Counter[str] = collections.Counter()
     buckets: collections.Counter[str] = collections.Counter()
-    inclusive_py: collections.Counter[str] = collections.Counter()
-    total = 0
+    paths: collections.Counter[str] = collections.Counter()
+    total = busy = 0
     for line in lines:
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
+        stack_text, _, count_text = line.rpartition(" ")
+        if not stack_text or not count_text.isdigit():
             continue
         count = int(count_text)
-        frames = stack.split(";")
+        stack = stack_text.split(";")
         total += count
-        leaf = frames[-1]
-        self_time[leaf] += count
-        buckets[classify(leaf)] += count
-        for frame in set(frames):
-            if "kvtag_store" in frame or "grpc/_server.py" in frame:
-                inclusive_py[frame] += count
-    if not total:
-        return {"samples": 0}
+        if any(marker in frame for frame in stack for marker in IDLE_MARKERS):
+            continue
+        busy += count
+        buckets[classify(stack)] += count
+        # The innermost Python frame and the innermost named native frame: "who asked, what ran".
+        python = next((f for f in reversed(stack) if ".py:" in f), "?")
+        native = next((f for f in reversed(stack) if named(f) and ".py:" not in f), "?")
+        paths[f"{python.split(' (')[0]} ({python.rsplit('/', 1)[-1]} -> {native.split(' (')[0]}"] += count
+    if not busy:
+        return {"samples": total, "busy_samples": 0}
 
     def pct(n: int) -> float:
-        return round(100 * n / total, 1)
+        return round(100 * n / busy, 1)
 
     return {
         "samples": total,
-        "self_time_by_bucket_pct": {k: pct(v) for k, v in buckets.most_common()},
-        "top_self_frames_pct": {k: pct(v) for k, v in self_time.most_common(15)},
-        "top_inclusive_service_frames_pct": {k: pct(v) for k, v in inclusive_py.most_common(15)},
+        "busy_samples": busy,
+        "note": "percent of busy samples (threads not waiting); unnamed libc frames (memcpy, malloc, "
+        "page faults in them) count toward the named frame that called them",
+        "busy_by_bucket_pct": {k: pct(v) for k, v in buckets.most_common()},
+        "top_paths_pct": {k: pct(v) for k, v in paths.most_common(15)},
     }
 
 
@@ -574,9 +617,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
-    exe = Path(sys.executable).parent / "kvtag-store"
+    exe = args.kvtag_store or str(Path(sys.executable).parent / "kvtag-store")
     return [
-        str(exe), "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
+        exe, "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
         "--capacity", args.capacity, "--workers", str(args.workers), "--log-level", "warning",
     ]  # fmt: skip
 
@@ -593,7 +636,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kv_port, echo_port = free_port(), free_port()
     kv_argv = kvtag_store_argv(kv_port, args)
     max_msg = 64 * MiB
-    with start_server("kvtag-store", kv_argv, kv_port, log_dir) as kv_server:
+    server_env = dict(item.split("=", 1) for item in args.server_env)
+    with start_server("kvtag-store", kv_argv, kv_port, log_dir, server_env) as kv_server:
         kv_channel = grpc.insecure_channel(kv_server.address, options=channel_options(max_msg))
         wait_ready(kv_server, kv_channel)
         kv = KvtagBench(kv_channel, kv_server)
@@ -605,7 +649,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sys.executable, __file__, "--serve-bytes", f"127.0.0.1:{echo_port}",
             "--workers", str(args.workers), "--max-message-bytes", str(max_msg),
         ]  # fmt: skip
-        with start_server("grpc-bytes", echo_argv, echo_port, log_dir) as echo_server:
+        with start_server("grpc-bytes", echo_argv, echo_port, log_dir, server_env) as echo_server:
             echo_channel = grpc.insecure_channel(echo_server.address, options=channel_options(max_msg))
             wait_ready(echo_server, echo_channel)
             ref = BytesBench(echo_channel)
@@ -628,9 +672,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             # Warm-up: connections, thread pools, allocator, every download size.
             for p in plans:
-                for call in kv.put_batches(Plan(p.value_size, p.batch_items, 1), pools[p.value_size], "warm"):
+                for call in kv.put_batches(
+                    Plan(p.value_size, p.batch_items, 1), pools[p.value_size], f"warm/{p.value_size}"
+                ):
                     kv.put_call(call, p.batch_bytes)()
-                for greq in kv.get_batches(Plan(p.value_size, p.batch_items, 1), "warm"):
+                for greq in kv.get_batches(Plan(p.value_size, p.batch_items, 1), f"warm/{p.value_size}"):
                     kv.get_call(greq)()
                 ref.download_call(p.batch_bytes)()
                 ref.upload_call(pools[p.value_size][0] * p.batch_items)()
@@ -781,6 +827,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lookups_per_repeat": lookups_per_repeat,
             "lookup_request_bytes": lookup_req_bytes,
             "kvtag_server_argv": kv_argv,
+            "server_env": server_env,
             "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
             "session": kv.session_info,
             "GB": "1e9 bytes",
@@ -828,8 +875,8 @@ def print_table(report: dict[str, Any]) -> None:
         )
     prof = report.get("profile")
     if prof:
-        print("\nkvtag server profile (self time by bucket, %)")
-        for k, v in prof.get("self_time_by_bucket_pct", {}).items():
+        print("\nkvtag server profile (busy samples by bucket, %)")
+        for k, v in prof.get("busy_by_bucket_pct", {}).items():
             print(f"  {v:5.1f}  {k}")
         if "error" in prof:
             print("  " + prof["error"])
@@ -853,6 +900,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also sample the kvtag server with py-spy",
     )
     parser.add_argument("--py-spy", default=None, help="py-spy executable (default: beside python, or PATH)")
+    parser.add_argument("--kvtag-store", default=None, help="kvtag-store executable (default: beside python)")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for both servers, e.g. GLIBC_TUNABLES=... (repeatable)",
+    )
     parser.add_argument("--serve-bytes", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-message-bytes", type=int, default=64 * MiB, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
