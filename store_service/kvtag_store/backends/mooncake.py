@@ -45,6 +45,7 @@ _HEADER_SLOTS = 1024
 # A put that returned 0 but whose header is not readable yet may be another writer's in-flight put.
 _VERIFY_ATTEMPTS = 5
 _VERIFY_BACKOFF_S = 0.02
+_BREAKER_S = 1.0
 
 
 class MooncakeClient(Protocol):
@@ -201,13 +202,25 @@ class MooncakeBackend:
         self.errors = ErrorCounters()
         self._corrupted = 0
         self._count_lock = threading.Lock()
+        # When the master last failed. With the master down, Mooncake's client spends about 4 s
+        # retrying each call; for a short window after a failure kvtag answers UNAVAILABLE at once
+        # instead of queueing more callers behind those retries.
+        self._master_failed_at = -_BREAKER_S
 
     @property
     def max_value_bytes(self) -> int:
         # put_parts and get_batch stage values in the local buffer; leave room for concurrent calls.
         return self._settings.local_buffer_bytes // 4 - HEADER_BYTES
 
+    def _check_master(self, what: str) -> None:
+        if time.monotonic() - self._master_failed_at < _BREAKER_S:
+            raise BackendUnavailable(
+                f"Mooncake master {self._settings.master} failed moments ago; not {what} for up to "
+                f"{_BREAKER_S:.0f} s, retry with backoff"
+            )
+
     def _unavailable(self, what: str, code: int) -> BackendUnavailable:
+        self._master_failed_at = time.monotonic()
         return BackendUnavailable(
             f"Mooncake master {self._settings.master} unreachable while {what} ({describe(code)}); "
             "retry with backoff, kvtag resumes when the master is back"
@@ -228,10 +241,14 @@ class MooncakeBackend:
                 f"value of {len(value)} bytes exceeds the Mooncake backend limit of {self.max_value_bytes} "
                 "bytes (a quarter of --mooncake-local-buffer); raise the local buffer",
             )
+        self._check_master("storing")
         group, key = address
         mkey = object_key(namespace_id, group, key)
         nonce = os.urandom(8)
-        header = encode_header(namespace_id, mode_id, group, key, value, nonce)
+        try:
+            header = encode_header(namespace_id, mode_id, group, key, value, nonce)
+        except ValueError as exc:
+            return PutResult(PutOutcome.REJECTED, str(exc))
         for _attempt in range(2):
             rc = self._client.put_parts(mkey, header, value)
             if rc == MooncakeCode.BUFFER_OVERFLOW:
@@ -287,6 +304,7 @@ class MooncakeBackend:
     # -- reads --------------------------------------------------------------
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
+        self._check_master("looking up")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
         found = self._headers.read(mkeys)
         statuses: list[KeyStatus] = []
@@ -314,11 +332,9 @@ class MooncakeBackend:
         return statuses
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
+        self._check_master("reading")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
-        values = self._client.get_batch(mkeys)
-        empty = [i for i, v in enumerate(values) if not v]
-        if empty:
-            self._refetch(mkeys, values, empty)
+        values = self._fetch(mkeys)
         results: list[ReadResult] = []
         corrupt: list[str] = []
         for (group, key), mkey, value in zip(addresses, mkeys, values, strict=True):
@@ -340,25 +356,31 @@ class MooncakeBackend:
             self._drop_corrupt(corrupt)
         return results
 
-    def _refetch(self, mkeys: list[str], values: list[bytes], empty: list[int]) -> None:
-        """Tell misses from failures for the keys a batch read returned nothing for.
+    def _fetch(self, mkeys: list[str]) -> list[bytes]:
+        """Whole values of the keys that exist (b"" for the rest).
 
-        get_batch returns b"" for missing keys, unreachable storage and master
-        failures alike; an existence check separates them, and keys that exist
-        are read once more alone (the batch may have outgrown the local buffer).
+        get_batch returns b"" alike for a missing key, an unreachable storage
+        process and a failed master (after seconds of retries), so an existence
+        check comes first: it fails fast when the master is down, spares the
+        transfer for misses, and a key that exists but reads empty is a transfer
+        failure. Keys a batch could not stage (local buffer full) are read alone.
         """
-        exists = self._client.batch_is_exist([mkeys[i] for i in empty])
-        if exists and all(code < 0 for code in exists):
+        exists = self._client.batch_is_exist(mkeys)
+        if any(code == _RPC_FAIL or code == -1 for code in exists):
             self.errors.add(_RPC_FAIL)
             raise self._unavailable("reading blocks", _RPC_FAIL)
-        for i, code in zip(empty, exists, strict=True):
-            if code == 1:
-                values[i] = self._client.get(mkeys[i])
-                if not values[i]:
+        present = [i for i, code in enumerate(exists) if code == 1]
+        values = [b""] * len(mkeys)
+        if not present:
+            return values
+        for i, value in zip(present, self._client.get_batch([mkeys[i] for i in present]), strict=True):
+            if not value:
+                value = self._client.get(mkeys[i])
+                if not value:
                     # Listed by the master, unreadable from its storage process (killed or cut off).
                     self.errors.add(MooncakeCode.TRANSFER_FAIL)
-            elif code < 0:
-                self.errors.add(code)
+            values[i] = value
+        return values
 
     # -- leases -------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Mooncake keys are opaque strings with no metadata, so everything kvtag must
 verify travels in the value: a 100-byte header (magic, format version, mode
-tag, namespace id, group, key digest, payload length, writer nonce, payload
+tag, namespace digest, group, key digest, payload length, writer nonce, payload
 CRC-32, header CRC-32) followed by the payload. Pure Python, importable without
 the Mooncake wheel, so the format is unit-tested on its own.
 """
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 MAGIC = b"KVTG"
 FORMAT_VERSION = 1
-# magic, version, header length, mode_id, namespace_id, group, key digest,
-# payload length, writer nonce, payload crc32, header crc32 (over all before it).
-_HEADER = struct.Struct(">4sHH24s24sI16sQ8sII")
+# magic, version, header length, mode_id (ASCII, NUL-padded), namespace digest, group,
+# key digest, payload length, writer nonce, payload crc32, header crc32 (over all before it).
+_HEADER = struct.Struct(">4sHH32s16sI16sQ8sII")
+MAX_MODE_ID_BYTES = 32
 HEADER_BYTES = _HEADER.size
 _CRC_OFFSET = HEADER_BYTES - 4
 KEY_PREFIX = "kvtag/v1"
@@ -31,7 +32,6 @@ class FormatError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Header:
     mode_id: str
-    namespace_id: str
     group: int
     key_digest: bytes
     payload_bytes: int
@@ -54,6 +54,11 @@ def key_digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
+def namespace_digest(namespace_id: str) -> bytes:
+    """Binds a value to its namespace whatever the id's length."""
+    return hashlib.blake2b(namespace_id.encode(), digest_size=16, person=b"kvtag-ns").digest()
+
+
 def payload_checksum(payload: bytes | memoryview) -> int:
     """CRC-32 (zlib): about 6 GB/s here, cheaper than the Mooncake transfer it guards."""
     return zlib.crc32(payload)
@@ -62,12 +67,15 @@ def payload_checksum(payload: bytes | memoryview) -> int:
 def encode_header(
     namespace_id: str, mode_id: str, group: int, key: bytes, payload: bytes | memoryview, nonce: bytes
 ) -> bytes:
+    mode = mode_id.encode("ascii")
+    if len(mode) > MAX_MODE_ID_BYTES:
+        raise ValueError(f"mode id {mode_id!r} is longer than {MAX_MODE_ID_BYTES} bytes")
     body = _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_BYTES,
-        mode_id.encode("ascii"),
-        namespace_id.encode("ascii"),
+        mode,
+        namespace_digest(namespace_id),
         group,
         key_digest(key),
         len(payload),
@@ -89,10 +97,9 @@ def decode_header(raw: bytes | memoryview, namespace_id: str, group: int, key: b
         raise FormatError(f"unknown kvtag value format {version} (header {length} bytes)")
     if zlib.crc32(bytes(raw[:_CRC_OFFSET])) != header_crc:
         raise FormatError("header checksum mismatch")
-    namespace = ns.rstrip(b"\0").decode("ascii")
-    if namespace != namespace_id or grp != group or digest != key_digest(key):
+    if ns != namespace_digest(namespace_id) or grp != group or digest != key_digest(key):
         raise FormatError("value belongs to another block address")
-    return Header(mode.rstrip(b"\0").decode("ascii"), namespace, grp, digest, size, nonce, crc)
+    return Header(mode.rstrip(b"\0").decode("ascii"), grp, digest, size, nonce, crc)
 
 
 def verify_payload(header: Header, value: bytes) -> memoryview:

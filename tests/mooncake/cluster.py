@@ -1,0 +1,152 @@
+"""Start and stop a real Mooncake cluster (master + storage process) for tests and the benchmark.
+
+Only inside a private network namespace: Mooncake's transfer engine listens on
+every interface and cannot be told otherwise, so `require_private_netns`
+refuses to start anything where more than loopback exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BIN = Path(sys.prefix) / "bin"
+
+
+def in_private_netns() -> bool:
+    """True when loopback is the only interface of this process's network namespace."""
+    return [name for _, name in socket.if_nameindex()] == ["lo"]
+
+
+def require_private_netns() -> None:
+    if not in_private_netns():
+        raise RuntimeError(
+            "Mooncake processes listen on all interfaces; run inside `unshare -n` with `ip link set lo up` "
+            "(scripts/test_mooncake.sh does)"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: object, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if callable(predicate) and predicate():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def metrics(address: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=2).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = float(value)
+    return out
+
+
+@dataclass
+class MooncakeCluster:
+    """One master and any number of storage processes, each a real Mooncake binary."""
+
+    workdir: Path
+    lease_ttl_ms: int = 2000
+    master_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    master: subprocess.Popen[bytes] | None = None
+    storage: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.master_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
+
+    def start_master(self) -> None:
+        require_private_netns()
+        log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 - owned by the process
+        self.master = subprocess.Popen(
+            [
+                str(BIN / "mooncake_master"),
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={self.master_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+                "--client_ttl=3",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(self._healthy, 15, "mooncake_master /health")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.metrics_address}/health", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def capacity(self) -> int:
+        return int(metrics(self.metrics_address).get("master_total_capacity_bytes", 0))
+
+    def start_storage(self, segment_bytes: int = 64 << 20) -> subprocess.Popen[bytes]:
+        """A storage process (Mooncake's standalone client) contributing one segment."""
+        require_private_netns()
+        before = self.capacity()
+        log = open(self.workdir / f"storage{len(self.storage)}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [
+                str(BIN / "mooncake_client"),
+                "--host=127.0.0.1",
+                "--metadata_server=P2PHANDSHAKE",
+                f"--master_server_address={self.master_address}",
+                f"--global_segment_size={segment_bytes}",
+                "--protocol=tcp",
+                f"--port={free_port()}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.storage.append(proc)
+        wait_until(lambda: self.capacity() >= before + segment_bytes, 15, "the storage segment to mount")
+        return proc
+
+    def kill_storage(self) -> None:
+        for proc in self.storage:
+            proc.kill()
+            proc.wait(5)
+        self.storage.clear()
+
+    def kill_master(self) -> None:
+        if self.master is not None:
+            self.master.kill()
+            self.master.wait(5)
+            self.master = None
+
+    def stop(self) -> None:
+        self.kill_storage()
+        self.kill_master()
+
+
+def mooncake_env() -> dict[str, str]:
+    """Environment for child processes: quiet Mooncake logs."""
+    env = dict(os.environ)
+    env.setdefault("GLOG_minloglevel", "2")
+    return env
