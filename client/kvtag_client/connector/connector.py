@@ -1,0 +1,240 @@
+"""KvtagConnector: the vLLM KV connector class, wiring the scheduler and worker halves to the store."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from . import compat, namespace
+from .config import KvtagConfig, parse
+from .groups import classify
+from .lookahead import LookaheadDecision, decide
+from .metadata import KvtagConnectorMetadata
+from .scheduler_side import SchedulerSide
+from .stats import KvtagStats, StatsRecorder
+from .store_session import open_client
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtag.connector")
+
+
+class KvtagConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores and loads KV blocks (and Mamba boundary states) through a kvtag service."""
+
+    supports_lookahead_block_hashes = True
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.vllm_version = compat.check_supported()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config: KvtagConfig = parse(self._kv_transfer_config.kv_connector_extra_config)
+        self.geometry = namespace.resolve_geometry(vllm_config, kv_cache_config)
+        self.groups = classify(kv_cache_config)
+        self.eagle_block_drop = compat.eagle_block_drop(vllm_config)
+        self._siblings = compat.multi_connector_siblings()
+        self._requested_lookahead: bool | None = None
+        self.lookahead: LookaheadDecision = decide(vllm_config, self.config, None, self._siblings)
+        self.stats = StatsRecorder()
+        self._client: Any = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._requests: dict[str, Request] = {}
+        logger.info(
+            "kvtag connector (%s): lookahead %d (%s)", role.name, self.lookahead.tokens, self.lookahead.reason
+        )
+        if role == KVConnectorRole.WORKER:
+            self._worker = WorkerSide(
+                kv_cache_config,
+                self.client,
+                self.stats,
+                self.config.max_pending_save_bytes,
+                self.config.save_batch_blocks,
+            )
+
+    # ---- mode ----------------------------------------------------------------------------------
+
+    def set_lookahead_block_hashes(self, enabled: bool) -> None:
+        """Forward-compatible opt-in hook: a core that decides lookahead for connectors calls this."""
+        self._requested_lookahead = bool(enabled)
+        decision = decide(self._vllm_config, self.config, self._requested_lookahead, self._siblings)
+        if decision.tokens != self.lookahead.tokens:
+            self.lookahead = decision
+            self._reset_session()
+
+    @property
+    def lookahead_tokens(self) -> int:
+        return self.lookahead.tokens
+
+    def _reset_session(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+
+    def namespace_descriptor(self) -> Any:
+        tp_rank = 0
+        if self.role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                tp_rank = int(get_tensor_model_parallel_rank())
+            except Exception:
+                tp_rank = 0
+        return namespace.namespace(
+            self._vllm_config, self._kv_cache_config, self.config, self.geometry, tp_rank
+        )
+
+    def hashing_mode(self) -> Any:
+        return namespace.hashing_mode(
+            self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
+        )
+
+    def probe_keys(self) -> list[bytes]:
+        return namespace.probe_keys(
+            self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
+        )
+
+    def client(self) -> Any:
+        """The store client of this role, opened on first use."""
+        if self._client is None:
+            self._client = open_client(
+                self.config,
+                engine_id=namespace.engine_id(self.config, self.role.name.lower()),
+                namespace=self.namespace_descriptor(),
+                mode=self.hashing_mode(),
+                probe_keys=self.probe_keys(),
+                labels={"vllm": self.vllm_version, "role": self.role.name.lower(), "connector": "kvtag"},
+            )
+        return self._client
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            self._scheduler = SchedulerSide(
+                self.config,
+                self.geometry,
+                self.groups,
+                self.lookahead.tokens,
+                self.eagle_block_drop,
+                self.client(),
+                self.stats,
+            )
+        return self._scheduler
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().after_alloc(request, num_external_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().track(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().finished(request, (list(block_ids),)), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().finished(request, block_ids), None
+
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        return self._sched().partial_tail(request, partial_tail_offloads)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is a future cache miss, never a correctness problem.
+        return False
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvtagConnectorMetadata):
+            self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvtagConnectorMetadata):
+            self._worker.finish_step(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        done = self._worker.take_finished_sending()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # ---- stats ---------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._client is not None:
+            degraded = int(self._client.counters.snapshot().get("degraded_calls", 0))
+            self.stats.add("degraded_calls", degraded - self._reported_degraded)
+            self._reported_degraded = degraded
+        return self.stats.take()
+
+    _reported_degraded = 0
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvtagStats(data=dict(data or {}))

@@ -1,0 +1,55 @@
+"""What the scheduler-side connector sends the worker each step (plain values: it is pickled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTransfer:
+    """One store block <-> one engine block: `group` is the KV cache group (the store's BlockRef.group)."""
+
+    group: int
+    block_id: int
+    key: bytes
+    base_key: bytes = b""
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Blocks to read into the request's freshly allocated blocks before this step's forward."""
+
+    req_id: str
+    blocks: list[BlockTransfer]
+    lease_id: str = ""
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Blocks to copy to host bytes and store.
+
+    `after_forward`: the bytes are written by this very step (Mamba boundary states handed off in the
+    step that computes them), so the worker copies them in wait_for_save, after the forward. Other
+    saves are emitted one step after their block was completed and are copied before the forward,
+    when the drafter's KV for the block's last position is already written.
+    `finish`: a finish-time job (possibly with no blocks left to copy) whose blocks stay pinned
+    (delay_free) until the worker reports the request in get_finished -> finished_sending.
+    """
+
+    req_id: str
+    blocks: list[BlockTransfer]
+    finish: bool = False
+    after_forward: bool = False
+    # audit: blocks this request saved earlier, read now (pinned, final) and compared with the store.
+    audit: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class KvtagConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves)

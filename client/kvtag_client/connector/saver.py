@@ -1,0 +1,136 @@
+"""Background store writer: saves leave the forward path as host bytes and are put by one thread.
+
+Memory is bounded by max_pending_bytes: a save that would exceed it is dropped and counted (a dropped
+save is only a future cache miss). Audit checks compare what the store returns for a block with the
+engine's final bytes of that block, read once its request finished (see SaveJob.audit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtag.v1 import store_pb2 as pb
+
+from .stats import StatsRecorder
+
+logger = logging.getLogger("kvtag.connector")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPut:
+    req_id: str
+    # (group, key, value, base_key)
+    items: list[tuple[int, bytes, bytes, bytes]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(value) for _, _, value, _ in self.items)
+
+
+class Saver:
+    def __init__(
+        self,
+        client_getter: Callable[[], Any],
+        stats: StatsRecorder,
+        max_pending_bytes: int,
+        batch_blocks: int,
+    ) -> None:
+        self._client = client_getter
+        self._stats = stats
+        self._max_pending = max_pending_bytes
+        self._batch = max(1, batch_blocks)
+        self._queue: queue.Queue[PendingPut | tuple[str, list[tuple[int, bytes, bytes]]] | None] = (
+            queue.Queue()
+        )
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._idle = threading.Condition(self._lock)
+        self._inflight = 0
+        self.audit_mismatches: list[tuple[str, int, bytes]] = []
+        self._thread = threading.Thread(target=self._run, name="kvtag-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, put: PendingPut) -> bool:
+        """Queue a put; False (dropped, counted) when the pending bytes would exceed the bound."""
+        size = put.nbytes
+        with self._lock:
+            if self._pending_bytes + size > self._max_pending:
+                self._stats.add("dropped_saves", len(put.items))
+                return False
+            self._pending_bytes += size
+            self._inflight += 1
+        self._queue.put(put)
+        return True
+
+    def submit_audit(self, req_id: str, engine_blocks: list[tuple[int, bytes, bytes]]) -> None:
+        """Compare the store's copy of each (group, key) with the engine's final bytes, off the hot path."""
+        with self._lock:
+            self._inflight += 1
+        self._queue.put((req_id, engine_blocks))
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.wait_idle(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            try:
+                if isinstance(work, PendingPut):
+                    self._put(work)
+                else:
+                    self._check(*work)
+            except Exception:  # never let one bad batch stop the thread
+                logger.exception("kvtag: background save failed")
+            finally:
+                with self._idle:
+                    if isinstance(work, PendingPut):
+                        self._pending_bytes -= work.nbytes
+                    self._inflight -= 1
+                    self._idle.notify_all()
+
+    def _put(self, work: PendingPut) -> None:
+        client = self._client()
+        for start in range(0, len(work.items), self._batch):
+            batch = work.items[start : start + self._batch]
+            statuses = client.put(batch)
+            if statuses is None:
+                self._stats.add("dropped_saves", len(batch))
+                self._stats.add("degraded_calls")
+                continue
+            for (_, _, value, _), status in zip(batch, statuses, strict=False):
+                if status in (pb.STORED, pb.ALREADY_PRESENT):
+                    self._stats.add("saved_blocks")
+                    self._stats.add("saved_bytes", len(value))
+                else:
+                    self._stats.add("dropped_saves")
+
+    def _check(self, req_id: str, engine_blocks: list[tuple[int, bytes, bytes]]) -> None:
+        values = self._client().get([(group, key) for group, key, _ in engine_blocks])
+        for (group, key, engine_bytes), value in zip(engine_blocks, values, strict=False):
+            if value is None:
+                continue  # not stored (dropped, evicted) or store unreachable: nothing to compare
+            self._stats.add("audit_checked_blocks")
+            if hashlib.sha256(value).digest() != hashlib.sha256(engine_bytes).digest():
+                self._stats.add("audit_mismatches")
+                self.audit_mismatches.append((req_id, group, key))
+                logger.error(
+                    "kvtag audit: request %s group %d key %s: the store holds different bytes than the "
+                    "engine's final block; a save read the block before it was complete",
+                    req_id,
+                    group,
+                    key.hex()[:16],
+                )

@@ -1,0 +1,324 @@
+"""Scheduler-side connector: external hit lengths, load plans, save planning and finish-time jobs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtag.v1 import store_pb2 as pb
+
+from . import compat, mamba
+from .config import KvtagConfig
+from .groups import CacheGroups
+from .metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob, SaveJob
+from .namespace import Geometry
+from .stats import StatsRecorder
+from .tracking import RequestKeys
+
+logger = logging.getLogger("kvtag.connector")
+
+
+@dataclass
+class _LoadPlan:
+    start_block: int
+    num_blocks: int
+    lease_id: str
+    # (start_block, keyed blocks) the plan was computed for: repeat queries reuse it.
+    query: tuple[int, int]
+
+
+@dataclass
+class _Tracked:
+    keys: RequestKeys
+    next_save_block: int = 0
+    state_stored: set[int] = field(default_factory=set)
+    plan: _LoadPlan | None = None
+    load_confirmed: bool = False
+    counted_unencodable: bool = False
+    # With audit on: every KV block this request saved, re-read from the engine when it finishes.
+    saved: list[BlockTransfer] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: KvtagConfig,
+        geometry: Geometry,
+        groups: CacheGroups,
+        lookahead: int,
+        eagle_block_drop: bool,
+        client: Any,
+        stats: StatsRecorder,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.groups = groups
+        self.lookahead = lookahead
+        self.eagle_block_drop = eagle_block_drop
+        self.client = client
+        self.stats = stats
+        self._requests: dict[str, _Tracked] = {}
+        self._finish_jobs: dict[str, SaveJob] = {}
+        self._ready_finish_jobs: list[SaveJob] = []
+
+    # ---- tracking ------------------------------------------------------------------------------
+
+    def track(self, request: Any) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or tracked.keys.request is not request:
+            keys = RequestKeys(request, self.geometry, self.lookahead, self.config.key_scheme)
+            tracked = _Tracked(keys=keys)
+            self._requests[request.request_id] = tracked
+            if not keys.encodable:
+                tracked.counted_unencodable = True
+                self.stats.add("unencodable_requests")
+                logger.warning(
+                    "kvtag: request %s has extra keys with no canonical encoding; it is neither "
+                    "stored nor loaded",
+                    request.request_id,
+                )
+        return tracked
+
+    # ---- hits ----------------------------------------------------------------------------------
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        tracked = self.track(request)
+        keys = tracked.keys
+        if not keys.encodable:
+            return 0
+        keys.refresh()
+        block = self.geometry.block_size
+        start = num_computed_tokens // block
+        # At least one token must be computed to sample from: cap at num_tokens - 1, like the local cache.
+        max_blocks = (request.num_tokens - 1) // block
+        end = min(keys.num_keyed_blocks(), max_blocks)
+        if end <= start:
+            self._drop_plan(tracked)
+            return 0
+        query = (start, end)
+        if tracked.plan is not None and tracked.plan.query == query:
+            return tracked.plan.num_blocks * block
+        self._drop_plan(tracked)
+        hit = self._lookup(keys, start, end)
+        if hit.num_blocks == 0:
+            if hit.lease_id:
+                self.client.release(hit.lease_id)
+            return 0
+        tracked.plan = _LoadPlan(start, hit.num_blocks, hit.lease_id, query)
+        return hit.num_blocks * block
+
+    @dataclass
+    class _Hit:
+        num_blocks: int
+        lease_id: str
+
+    def _lookup(self, keys: RequestKeys, start: int, end: int) -> SchedulerSide._Hit:
+        refs: list[tuple[int, bytes, bytes]] = []
+        kv_group = self.groups.kv_groups[0] if self.groups.kv_groups else 0
+        span = range(start, end)
+        for j in span:
+            refs.append((kv_group, keys.key(j), keys.base_key(j)))
+        for group in self.groups.state_groups:
+            for j in span:
+                refs.append((group, keys.key(j), keys.base_key(j)))
+        self.stats.add("lookups")
+        result = self.client.lookup(refs, lease_ms=self.config.lease_ms)
+        statuses = list(result.statuses)
+        if len(statuses) != len(refs):
+            self.stats.add("degraded_calls")
+            return self._Hit(0, result.lease_id)
+        count = end - start
+        kv_hits = 0
+        while kv_hits < count and statuses[kv_hits] == pb.HIT:
+            kv_hits += 1
+        if self.lookahead == 0 and self.eagle_block_drop:
+            # Legacy keys cannot prove the drafter KV of a hit's last block: drop it, like vLLM does.
+            kv_hits = max(0, kv_hits - 1)
+        usable = kv_hits
+        if self.groups.hybrid:
+            # A hybrid hit ends only where every state group holds the state at that boundary.
+            usable = 0
+            for n in range(kv_hits, 0, -1):
+                if all(
+                    statuses[count * (1 + i) + n - 1] == pb.HIT for i in range(len(self.groups.state_groups))
+                ):
+                    usable = n
+                    break
+        self.stats.add("hit_blocks", usable)
+        self.stats.add("miss_blocks", count - usable)
+        return self._Hit(usable, result.lease_id)
+
+    def _drop_plan(self, tracked: _Tracked) -> None:
+        if tracked.plan is not None and tracked.plan.lease_id and not tracked.load_confirmed:
+            self.client.release(tracked.plan.lease_id)
+        tracked.plan = None
+        tracked.load_confirmed = False
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        tracked = self.track(request)
+        if num_external_tokens <= 0 or tracked.plan is None:
+            self._drop_plan(tracked)
+            computed = request.num_computed_tokens
+        else:
+            plan = tracked.plan
+            usable = num_external_tokens // self.geometry.block_size
+            plan.num_blocks = min(plan.num_blocks, usable)
+            tracked.load_confirmed = True
+            self.stats.add("hit_tokens", num_external_tokens)
+            computed = (plan.start_block + plan.num_blocks) * self.geometry.block_size
+        # Blocks before this point are local or external hits: someone already stored them.
+        tracked.next_save_block = max(tracked.next_save_block, computed // self.geometry.block_size)
+
+    # ---- per-step metadata ---------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> KvtagConnectorMetadata:
+        meta = KvtagConnectorMetadata()
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+        for req_id, offloads in compat.boundary_state_offloads(scheduler_output).items():
+            tracked = self._requests.get(req_id)
+            if tracked is None or not tracked.keys.encodable or req_id in preempted:
+                continue
+            transfers = mamba.boundary_transfers(
+                tracked.keys,
+                offloads,
+                self.groups.state_groups,
+                self.geometry.block_size,
+                tracked.state_stored,
+            )
+            if transfers:
+                meta.saves.append(SaveJob(req_id, transfers, after_forward=True))
+
+        scheduled = list(scheduler_output.num_scheduled_tokens)
+        for req_id in scheduled:
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            block_ids = compat.scheduled_block_ids(scheduler_output, req_id)
+            if block_ids is None:
+                continue
+            if tracked.load_confirmed and tracked.plan is not None:
+                meta.loads.append(self._load_job(req_id, tracked, block_ids))
+                tracked.plan = None
+                tracked.load_confirmed = False
+            if req_id in preempted:
+                continue
+            save = self._save_job(req_id, tracked, block_ids)
+            if save is not None:
+                meta.saves.append(save)
+
+        for req_id in preempted:
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.next_save_block = 0
+                tracked.state_stored.clear()
+
+        meta.saves.extend(self._ready_finish_jobs)
+        self._ready_finish_jobs = []
+        return meta
+
+    def _load_job(self, req_id: str, tracked: _Tracked, block_ids: tuple[list[int], ...]) -> LoadJob:
+        plan = tracked.plan
+        assert plan is not None
+        keys = tracked.keys
+        transfers: list[BlockTransfer] = []
+        span = range(plan.start_block, plan.start_block + plan.num_blocks)
+        for group in self.groups.kv_groups:
+            for j in span:
+                transfers.append(BlockTransfer(group, block_ids[group][j], keys.key(j)))
+        last = plan.start_block + plan.num_blocks - 1
+        for group in self.groups.state_groups:
+            # The state after the hit's last block goes in the slot for that boundary.
+            transfers.append(BlockTransfer(group, block_ids[group][last], keys.key(last)))
+        tracked.state_stored.add(last)
+        return LoadJob(req_id, transfers, plan.lease_id)
+
+    def _save_transfers(
+        self, tracked: _Tracked, block_ids: tuple[list[int], ...] | list[list[int]], num_computed: int
+    ) -> list[BlockTransfer]:
+        """KV blocks complete before this step and keyed: max_save_tokens = keyed blocks * block size."""
+        keys = tracked.keys
+        if not keys.encodable:
+            return []
+        keys.refresh()
+        upto = min(num_computed // self.geometry.block_size, keys.num_keyed_blocks())
+        transfers: list[BlockTransfer] = []
+        for j in range(tracked.next_save_block, upto):
+            for group in self.groups.kv_groups:
+                if j < len(block_ids[group]) and block_ids[group][j] != 0:
+                    transfers.append(BlockTransfer(group, block_ids[group][j], keys.key(j), keys.base_key(j)))
+        tracked.next_save_block = max(tracked.next_save_block, upto)
+        if self.config.audit:
+            tracked.saved.extend(transfers)
+        return transfers
+
+    def _save_job(self, req_id: str, tracked: _Tracked, block_ids: tuple[list[int], ...]) -> SaveJob | None:
+        # num_computed_tokens is read before the scheduler advances it for this step, so these blocks
+        # were completed (target and drafter KV) in an earlier step: the one-step-later emission.
+        transfers = self._save_transfers(tracked, block_ids, tracked.keys.request.num_computed_tokens)
+        return SaveJob(req_id, transfers) if transfers else None
+
+    # ---- finish --------------------------------------------------------------------------------
+
+    def partial_tail(self, request: Any, offloads: list[tuple[int, int, int]]) -> bool:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or not tracked.keys.encodable or _aborted(request):
+            return False
+        transfers = mamba.boundary_transfers(
+            tracked.keys, offloads, self.groups.state_groups, self.geometry.block_size, tracked.state_stored
+        )
+        if not transfers:
+            return False
+        job = self._finish_jobs.setdefault(request.request_id, SaveJob(request.request_id, [], finish=True))
+        job.blocks.extend(transfers)
+        return True
+
+    def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:
+        """Register the finish-time job; True means the blocks stay pinned until finished_sending."""
+        req_id = request.request_id
+        tracked = self._requests.pop(req_id, None)
+        job = self._finish_jobs.pop(req_id, None)
+        if tracked is not None:
+            self._drop_plan(tracked)
+        if tracked is None or _aborted(request) or not tracked.keys.encodable:
+            if job is not None:
+                # The core already kept the blocks for the partial tail: release them at once.
+                self.stats.add("cancelled_jobs")
+                job.blocks.clear()
+                self._ready_finish_jobs.append(job)
+                return True
+            return False
+        job = job or SaveJob(req_id, [], finish=True)
+        computed = request.num_computed_tokens
+        job.blocks.extend(self._save_transfers(tracked, block_ids, computed))
+        if self.groups.hybrid:
+            job.blocks.extend(
+                mamba.final_state_transfers(
+                    tracked.keys,
+                    block_ids,
+                    self.groups.state_groups,
+                    computed,
+                    self.geometry.block_size,
+                    tracked.state_stored,
+                )
+            )
+        if self.config.audit:
+            # Audit reads the request's saved blocks once final; delay_free keeps them from reuse.
+            job.audit = list(tracked.saved)
+        if not job.blocks and not job.audit:
+            return False
+        self.stats.add("finish_jobs")
+        self._ready_finish_jobs.append(job)
+        return True
+
+    def close(self) -> None:
+        for tracked in self._requests.values():
+            self._drop_plan(tracked)
+        self._requests.clear()
+
+
+def _aborted(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status == RequestStatus.FINISHED_ABORTED)

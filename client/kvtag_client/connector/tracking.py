@@ -1,0 +1,110 @@
+"""Per-request block keys: which physical blocks of a request have a key yet, and what it is.
+
+Keys are chained at the hash block size H; the store unit is the scheduler block of B = k*H tokens,
+keyed by the key of its last hash block (which covers every token before it). With lookahead L, a
+block's key exists only once the L tokens after it exist, so keys lag the tokens by up to a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtag_client.keys import ExtraKeys, KeyChain, UnencodableExtraKeys
+
+from .namespace import Geometry, vllm_lookahead_key
+
+
+def extra_keys_of(request: Any) -> ExtraKeys:
+    """LoRA name, cache salt and multimodal identifiers of a request, in canonical form.
+
+    Raises UnencodableExtraKeys for inputs with no canonical encoding (prompt embeddings,
+    multimodal features without an identifier or position).
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        raise UnencodableExtraKeys("prompt embeddings have no canonical encoding")
+    lora = getattr(request, "lora_request", None)
+    items: list[tuple[str, int, int]] = []
+    for feature in getattr(request, "mm_features", None) or ():
+        identifier = getattr(feature, "identifier", None)
+        position = getattr(feature, "mm_position", None)
+        if position is None:
+            raise UnencodableExtraKeys("a multimodal feature has no placeholder position")
+        items.append((identifier, position.offset, position.length))  # type: ignore[arg-type]
+    return ExtraKeys(
+        lora_name=None if lora is None else lora.lora_name,
+        cache_salt=getattr(request, "cache_salt", None),
+        mm_items=tuple(items),
+    )
+
+
+class _VllmChain:
+    """key_scheme=vllm: the engine's own request.block_hashes, with the L successor tokens appended."""
+
+    def __init__(self, request: Any, hash_block_size: int, lookahead: int) -> None:
+        self._request = request
+        self._hash_block_size = hash_block_size
+        self._lookahead = lookahead
+        self.keys: list[bytes] = []
+        self.base_keys: list[bytes] = []
+
+    def refresh(self) -> None:
+        hashes = self._request.block_hashes
+        tokens = self._request.all_token_ids
+        while len(self.base_keys) < len(hashes):
+            self.base_keys.append(bytes(hashes[len(self.base_keys)]))
+        while len(self.keys) < len(self.base_keys):
+            i = len(self.keys)
+            end = (i + 1) * self._hash_block_size
+            if len(tokens) < end + self._lookahead:
+                break
+            self.keys.append(vllm_lookahead_key(self.base_keys[i], list(tokens[end : end + self._lookahead])))
+
+
+@dataclass
+class RequestKeys:
+    """Keys of one request's blocks, grown as tokens become known."""
+
+    request: Any
+    geometry: Geometry
+    lookahead: int
+    scheme: str
+    encodable: bool = True
+    _chain: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            if self.scheme == "canonical":
+                self._chain = KeyChain(
+                    self.geometry.hash_block_size, self.lookahead, extra_keys_of(self.request)
+                )
+            else:
+                extra_keys_of(self.request)  # same refusal rule: no encodable identity, no sharing
+                self._chain = _VllmChain(self.request, self.geometry.hash_block_size, self.lookahead)
+        except UnencodableExtraKeys:
+            self.encodable = False
+
+    def refresh(self) -> None:
+        """Derive keys for tokens the request gained since the last call."""
+        if not self.encodable:
+            return
+        if isinstance(self._chain, KeyChain):
+            tokens = self.request.all_token_ids
+            if len(tokens) > self._chain.num_tokens:
+                self._chain.extend(tokens[self._chain.num_tokens :])
+        else:
+            self._chain.refresh()
+
+    def num_keyed_blocks(self) -> int:
+        """Store blocks (B tokens each) whose key exists: max_save_tokens = this * B."""
+        if not self.encodable:
+            return 0
+        return len(self._chain.keys) // self.geometry.hashes_per_block
+
+    def key(self, block: int) -> bytes:
+        return bytes(self._chain.keys[(block + 1) * self.geometry.hashes_per_block - 1])
+
+    def base_key(self, block: int) -> bytes:
+        index = (block + 1) * self.geometry.hashes_per_block - 1
+        base = self._chain.base_keys
+        return bytes(base[index]) if index < len(base) else b""

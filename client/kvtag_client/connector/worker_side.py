@@ -1,0 +1,126 @@
+"""Worker-side connector: copies blocks between the engine's KV tensors and the store.
+
+Order within a step (vLLM 0.32/0.33 model runner): bind metadata, start_load_kv (before the forward
+when the step has synchronous loads, otherwise after it), forward, drafter, wait_for_save,
+get_finished. Blocks a job reads are never written by this step: saves read blocks completed in an
+earlier step (or pinned finished requests), and loads write blocks freshly allocated for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .blocks import LayerView, gather, layer_views, scatter
+from .metadata import KvtagConnectorMetadata, SaveJob
+from .saver import PendingPut, Saver
+from .stats import StatsRecorder
+
+logger = logging.getLogger("kvtag.connector")
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        client_getter: Callable[[], Any],
+        stats: StatsRecorder,
+        max_pending_save_bytes: int,
+        save_batch_blocks: int,
+    ) -> None:
+        self._kv_cache_config = kv_cache_config
+        self._client = client_getter
+        self._stats = stats
+        self._views: list[list[LayerView]] = []
+        self.saver = Saver(client_getter, stats, max_pending_save_bytes, save_batch_blocks)
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._started: KvtagConnectorMetadata | None = None
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        group_layers = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
+        self._views = layer_views(kv_caches, group_layers, int(self._kv_cache_config.num_blocks))
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._views)
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def start(self, meta: KvtagConnectorMetadata) -> None:
+        """Copy out this step's pre-forward saves, then load, so a load never clobbers a save's source."""
+        if self._started is meta:
+            return
+        self._started = meta
+        for job in meta.saves:
+            if not job.after_forward:
+                self._save(job)
+        for load in meta.loads:
+            self._load(load.req_id, load.blocks, load.lease_id)
+
+    def finish_step(self, meta: KvtagConnectorMetadata) -> None:
+        """After the forward: copy the Mamba states this step wrote and handed off."""
+        self.start(meta)  # a step whose start_load_kv was skipped still runs its saves
+        for job in meta.saves:
+            if job.after_forward:
+                self._save(job)
+
+    def _save(self, job: SaveJob) -> None:
+        items: list[tuple[int, bytes, bytes, bytes]] = []
+        for transfer in job.blocks:
+            views = self._views[transfer.group] if transfer.group < len(self._views) else []
+            if not views:
+                continue
+            items.append((transfer.group, transfer.key, gather(views, transfer.block_id), transfer.base_key))
+        if items:
+            self.saver.submit(PendingPut(job.req_id, items))
+        if job.audit:
+            engine = [
+                (t.group, t.key, gather(self._views[t.group], t.block_id))
+                for t in job.audit
+                if t.group < len(self._views) and self._views[t.group]
+            ]
+            self.saver.submit_audit(job.req_id, engine)
+        if job.finish:
+            # The bytes are on the host now: the pinned blocks can be freed.
+            with self._lock:
+                self._finished_sending.add(job.req_id)
+
+    def _load(self, req_id: str, transfers: list[Any], lease_id: str) -> None:
+        values = self._client().get([(t.group, t.key) for t in transfers], lease_id)
+        failed: set[int] = set()
+        loaded_bytes = 0
+        for index, transfer in enumerate(transfers):
+            value = values[index] if index < len(values) else None
+            views = self._views[transfer.group] if transfer.group < len(self._views) else []
+            if value is None or not views or not scatter(views, transfer.block_id, value):
+                failed.add(transfer.block_id)
+                continue
+            loaded_bytes += len(value)
+        self._stats.add("loaded_blocks", len(transfers) - len(failed))
+        self._stats.add("loaded_bytes", loaded_bytes)
+        if failed:
+            self._stats.add("load_errors", len(failed))
+            logger.warning(
+                "kvtag: %d block(s) of request %s failed to load; vLLM recomputes them", len(failed), req_id
+            )
+            with self._lock:
+                self._load_errors |= failed
+
+    # ---- reports -------------------------------------------------------------------------------
+
+    def take_finished_sending(self) -> set[str]:
+        with self._lock:
+            done, self._finished_sending = self._finished_sending, set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.saver.close()

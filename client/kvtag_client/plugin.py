@@ -1,0 +1,14 @@
+"""vLLM general plugin: registers KvtagConnector by name (`kv_connector="KvtagConnector"`, no module path)."""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "KvtagConnector"
+
+
+def register() -> None:
+    """Entry point `vllm.general_plugins: kvtag`; idempotent (vLLM loads plugins in every process)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtag_client.connector", "KvtagConnector")
