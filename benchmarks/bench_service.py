@@ -497,10 +497,9 @@ def find_py_spy(explicit: str | None) -> str | None:
 
 
 def profile_server(
-    py_spy: str, server: Server, work: Callable[[], None], seconds: float, out_dir: Path
+    py_spy: str, server: Server, work: Callable[[], None], seconds: float, raw: Path
 ) -> dict[str, Any]:
-    """Sample every server thread (Python and native frames) while `work` runs; rank self time."""
-    raw = out_dir / "kvtag-server.pyspy.txt"
+    """Sample every server thread (Python and native frames) while `work` runs; rank busy time."""
     sampler = subprocess.Popen(
         [py_spy, "record", "--pid", str(server.proc.pid), "--native", "--rate", "200", "--format", "raw",
          "--duration", str(max(1, round(seconds))), "--output", str(raw)],
@@ -753,26 +752,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lat["grpc_echo_1_byte"].append([ref.latency(b"x") for _ in range(lookups_per_repeat)])
             loadavg.append(os.getloadavg())
 
-            profile: dict[str, Any] | None = None
+            profile: dict[str, dict[str, Any]] | None = None
             if args.profile:
                 py_spy = find_py_spy(args.py_spy)
                 if py_spy is None:
-                    profile = {"error": "py-spy not found (pip install py-spy==0.4.3, or pass --py-spy PATH)"}
+                    profile = {
+                        "error": {
+                            "error": "py-spy not found (pip install py-spy==0.4.3, or pass --py-spy PATH)"
+                        }
+                    }
                 else:
                     p1 = next(p for p in plans if p.value_size == MiB)
+                    one = Plan(p1.value_size, p1.batch_items, 1)
                     counter = iter(range(10**9))
 
-                    def work() -> None:
-                        tag = f"profile/{next(counter)}"
-                        one = Plan(p1.value_size, p1.batch_items, 1)
-                        for r in kv.put_batches(one, pools[MiB], tag):
+                    def put_work() -> None:
+                        for r in kv.put_batches(one, pools[MiB], f"profile/{next(counter)}"):
                             kv.put_call(r, one.batch_bytes)()
-                        for g in kv.get_batches(one, tag):
+
+                    def get_work() -> None:
+                        for g in kv.get_batches(one, f"r0/{p1.value_size // KiB}KiB"):
                             kv.get_call(g)()
 
-                    profile = profile_server(py_spy, kv_server, work, args.profile, log_dir)
-                    profile["workload"] = "1 MiB put then get of the same batch, back to back"
-                    profile["raw_stacks"] = str(log_dir / "kvtag-server.pyspy.txt")
+                    def lookup_work() -> None:
+                        kv.lookup_latency(lookup_req, LOOKUP_KEYS)
+
+                    profile = {}
+                    for name, work, what in (
+                        ("put_1MiB", put_work, "1 MiB Put batches, back to back"),
+                        ("get_1MiB", get_work, "1 MiB Get batches, back to back"),
+                        ("lookup_4096", lookup_work, "4,096-key Lookup, all hits, back to back"),
+                    ):
+                        raw = log_dir / f"kvtag-server-{name}.pyspy.txt"
+                        profile[name] = profile_server(py_spy, kv_server, work, args.profile, raw)
+                        profile[name]["workload"] = what
+                        profile[name]["raw_stacks"] = str(raw)
 
             stats = kv.stub.GetStats(pb.GetStatsRequest())
             server_state = {
@@ -873,10 +887,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"{name:>16}  target {t['target']}  measured {t['measured']}  {'MET' if t['met'] else 'NOT MET'}"
         )
-    prof = report.get("profile")
-    if prof:
-        print("\nkvtag server profile (busy samples by bucket, %)")
-        for k, v in prof.get("busy_by_bucket_pct", {}).items():
+    for name, prof in (report.get("profile") or {}).items():
+        print(f"\nkvtag server profile, {prof.get('workload', name)} (busy samples by bucket, %)")
+        for k, v in list(prof.get("busy_by_bucket_pct", {}).items())[:8]:
             print(f"  {v:5.1f}  {k}")
         if "error" in prof:
             print("  " + prof["error"])
