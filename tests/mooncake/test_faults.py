@@ -1,0 +1,162 @@
+"""Faults on a real cluster: killed storage, master outage, damaged values, eviction under leases.
+
+Each test owns its cluster (it breaks it) and is bounded by Mooncake's own timeouts
+(about 4 s per call while the master is down) and the short client TTL set by the helper.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.errors import parse_error
+from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
+from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake_format import HEADER_BYTES, object_key
+
+from tests.mooncake.cluster import MooncakeCluster, wait_until
+from tests.mooncake.conftest import settings_for
+from tests.mooncake.replicas import Replica, mode, namespace
+
+MODE = "m-0123456789abcdef"
+
+
+def addr(name: str) -> BlockAddress:
+    return (0, BlockKey(name.encode()))
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[MooncakeCluster]:
+    c = MooncakeCluster(tmp_path)
+    c.start_master()
+    c.start_storage(32 << 20)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def own_backend(own_cluster: MooncakeCluster) -> Iterator[MooncakeBackend]:
+    backend = MooncakeBackend(connect(settings_for(own_cluster)), settings_for(own_cluster))
+    yield backend
+    backend.close()
+
+
+def test_value_copied_under_another_key_is_never_served(
+    mooncake_backend: MooncakeBackend, raw_client: MooncakeClient
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    assert mooncake_backend.put(ns, MODE, addr("a"), b"bytes of block a").outcome is PutOutcome.STORED
+    stolen = raw_client.get(object_key(ns, *addr("a")))
+    assert raw_client.put(object_key(ns, *addr("b")), stolen) == 0
+    [result] = mooncake_backend.get(ns, MODE, [addr("b")])
+    assert result.status is KeyStatus.MISS and result.value is None
+
+
+def test_damaged_header_is_a_miss_and_is_dropped(
+    mooncake_backend: MooncakeBackend, raw_client: MooncakeClient
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    mooncake_backend.put(ns, MODE, addr("k"), b"payload")
+    mkey = object_key(ns, *addr("k"))
+    damaged = bytearray(raw_client.get(mkey))
+    damaged[10] ^= 0x01  # inside the mode tag
+    raw_client.batch_remove([mkey], True)
+    assert raw_client.put(mkey, bytes(damaged)) == 0
+    before = mooncake_backend.stats().corrupted_dropped
+    assert mooncake_backend.lookup(ns, MODE, [addr("k")]) == [KeyStatus.MISS]
+    assert mooncake_backend.stats().corrupted_dropped == before + 1
+    assert raw_client.batch_is_exist([mkey]) == [0]
+    # A correct put can take the dropped value's place.
+    assert mooncake_backend.put(ns, MODE, addr("k"), b"payload").outcome is PutOutcome.STORED
+    assert len(damaged) == HEADER_BYTES + len(b"payload")
+
+
+def test_killed_storage_process_gives_misses_never_wrong_bytes(
+    own_cluster: MooncakeCluster, own_backend: MooncakeBackend
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    blocks = {addr(f"k{i}"): bytes([i]) * 4096 for i in range(8)}
+    for address, value in blocks.items():
+        assert own_backend.put(ns, MODE, address, value).outcome is PutOutcome.STORED
+    own_cluster.kill_storage()
+    results = own_backend.get(ns, MODE, list(blocks))
+    for (address, value), result in zip(blocks.items(), results, strict=True):
+        assert (result.status, result.value) in ((KeyStatus.MISS, None), (KeyStatus.HIT, value)), address
+    assert all(r.status is KeyStatus.MISS for r in results)
+    assert own_backend.errors.snapshot().get("transfer", 0) >= 1
+    # Once the master notices the dead process, its objects are plain misses.
+    wait_until(
+        lambda: own_backend.lookup(ns, MODE, list(blocks)) == [KeyStatus.MISS] * len(blocks),
+        15,
+        "the master to drop the dead storage process",
+        interval_s=0.5,
+    )
+    # A new storage process makes the cluster writable again.
+    own_cluster.start_storage(32 << 20)
+    assert own_backend.put(ns, MODE, addr("k0"), b"new").outcome is PutOutcome.STORED
+
+
+def test_master_down_is_unavailable_with_a_message_and_the_service_recovers(
+    own_cluster: MooncakeCluster, tmp_path: Path
+) -> None:
+    replica = Replica(own_cluster, tmp_path, "replica")
+    replica.start()
+    try:
+        ns = namespace("model-" + uuid.uuid4().hex[:10])
+        session = replica.open(ns, mode(), "engine-1").session_id
+        assert replica.put(session, (b"k", b"v")) == [pb.STORED]
+        own_cluster.kill_master()
+        with pytest.raises(grpc.RpcError) as down:
+            replica.lookup(session, b"k")
+        assert down.value.code() is grpc.StatusCode.UNAVAILABLE
+        error = parse_error(down.value)
+        assert error is not None and error.reason == "BACKEND_UNAVAILABLE"
+        assert "Mooncake master" in (down.value.details() or "")
+        assert replica.alive
+        own_cluster.start_master()  # same ports; a master without HA starts empty
+
+        def writable() -> bool:
+            try:
+                return replica.put(session, (b"k2", b"v2")) == [pb.STORED]
+            except grpc.RpcError:
+                return False
+
+        wait_until(writable, 40, "kvtag to store again after the master returned", interval_s=1.0)
+        assert [r.value for r in replica.get(session, b"k2")] == [b"v2"]
+    finally:
+        replica.stop()
+
+
+def test_leased_blocks_outlive_eviction_and_stats_count_it(
+    own_cluster: MooncakeCluster, own_backend: MooncakeBackend
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    value = bytes(1 << 20)
+    pinned = [addr(f"pinned{i}") for i in range(3)]
+    for address in pinned:
+        assert own_backend.put(ns, MODE, address, value).outcome is PutOutcome.STORED
+    own_backend.pin(ns, pinned)
+    time.sleep(own_cluster.lease_ttl_ms / 1000 * 1.5)  # past Mooncake's own lease: only renewal holds them
+    # Fill the 32 MiB cluster twice over, paced so Mooncake's background eviction (at 90%) runs;
+    # every fresh block is briefly leased by its own put read-back, so some puts meet a full cluster.
+    outcomes = []
+    for i in range(64):
+        outcomes.append(own_backend.put(ns, MODE, addr(f"fill{i}"), value).outcome)
+        time.sleep(0.05)
+    assert PutOutcome.STORED in outcomes
+    # A full cluster refuses honestly (REJECTED), it never claims a store.
+    assert set(outcomes) <= {PutOutcome.STORED, PutOutcome.REJECTED}
+    stats = own_backend.stats()
+    assert stats.evictions > 0
+    assert stats.used_bytes <= stats.capacity_bytes
+    assert stats.leased_keys == len(pinned)
+    assert own_backend.lookup(ns, MODE, pinned) == [KeyStatus.HIT] * len(pinned)
+    evicted = own_backend.lookup(ns, MODE, [addr(f"fill{i}") for i in range(10)])
+    assert KeyStatus.MISS in evicted
+    own_backend.unpin(ns, pinned)
+    assert own_backend.stats().leased_keys == 0
