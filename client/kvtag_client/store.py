@@ -1,0 +1,681 @@
+"""The kvtag store client: one session, bounded deadlines, degrade-never-fail.
+
+Every public call returns within its deadline and never raises: when the store
+is unreachable, slow or erroring, lookups report misses, puts are dropped and
+counted, and a background thread re-opens the session once the store answers
+again. A session refused by policy (strict namespace, probe disagreement) is
+logged once with the field diff and the engine runs without the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import grpc
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+from kvtag_proto.errors import KvtagError, parse_error
+from kvtag_proto.ids import mode_id as derive_mode_id
+from kvtag_proto.ids import namespace_id as derive_namespace_id
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Limits assumed until OpenSession returns the server's own.
+_DEFAULT_LIMITS = pb.Limits(
+    max_key_bytes=256, max_batch_items=4096, max_value_bytes=64 << 20, max_message_bytes=4 << 20
+)
+# Room left in each message for framing, session id and per-item overhead.
+_MESSAGE_MARGIN = 64 << 10
+_ITEM_OVERHEAD = 32
+# Codes that mean "the store (or the path to it) is not working right now".
+_OUTAGE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+_REFUSAL_REASONS = frozenset({"MODE_REFUSED", "PROBE_DISAGREEMENT", "INVALID_DESCRIPTOR", "INVALID_PROBE"})
+
+
+class StoreState(enum.Enum):
+    CONNECTED = "connected"
+    # Unreachable or erroring: calls return misses/drops, the session is re-opened in the background.
+    DEGRADED = "degraded"
+    # Refused by the store's policy: the engine runs without the store; logged once with the diff.
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_length: int  # leading HIT count (0 when degraded)
+    statuses: list[int]  # kvtag.v1.KeyStatus per block; UNSPECIFIED for blocks not asked
+    lease_id: str  # "" when nothing leased; several leases are joined by ","
+
+
+@dataclass
+class ClientCounters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    mode_mismatch_blocks: int = 0
+    put_stored: int = 0
+    put_present: int = 0
+    put_conflict: int = 0
+    put_rejected: int = 0
+    put_dropped: int = 0
+    get_failed: int = 0
+    degraded_calls: int = 0
+    reconnects: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _CallFailed(Exception):
+    """A store call failed and was already handled (state updated, logged); return the fallback."""
+
+
+class _Deadline:
+    """One bound for a whole public call, shared by its re-open and retry."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise _CallFailed("deadline exhausted")
+        return left
+
+
+class StoreClient:
+    """Thread-safe client of one kvtag store session (see module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        engine_id: str,
+        namespace: pb.NamespaceDescriptor,
+        mode: pb.HashingMode,
+        probe_keys: Sequence[bytes],
+        labels: Mapping[str, str] | None = None,
+        rpc_timeout_s: float = 1.0,
+        reconnect_interval_s: float = 2.0,
+        block_bytes_hint: int = 0,
+        min_transfer_bytes_per_s: float = 50e6,
+    ) -> None:
+        """Builds the channel and starts the heartbeat thread; does not contact the store (see open()).
+
+        block_bytes_hint (bytes per stored value, if known) and min_transfer_bytes_per_s
+        stretch the deadline of large puts and gets: rpc_timeout_s + bytes / rate.
+        """
+        self.endpoint = endpoint
+        self.engine_id = engine_id
+        self.namespace = namespace
+        self.mode = mode
+        self.probe_keys = list(probe_keys)
+        self.labels = dict(labels or {})
+        self.rpc_timeout_s = rpc_timeout_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.min_transfer_bytes_per_s = min_transfer_bytes_per_s
+        self._value_bytes_estimate = block_bytes_hint
+
+        self.state = StoreState.DEGRADED
+        self.session_id = ""
+        self.mode_id = derive_mode_id(mode)
+        self.namespace_id = derive_namespace_id(namespace)
+        self.refusal: pb.ModeRefusal | None = None
+        self.refusal_error: KvtagError | None = None
+        self.warnings: list[pb.CensusWarning] = []
+        self.counters = ClientCounters()
+        self.limits = pb.Limits()
+        self.limits.CopyFrom(_DEFAULT_LIMITS)
+        self.session_ttl_ms = 0
+
+        self._lock = threading.Lock()  # state, session id, counters
+        self._open_lock = threading.Lock()  # one OpenSession at a time
+        self._ever_connected = False
+        self._outage_logged = False
+        self._logged_warnings: set[tuple[str, str]] = set()
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        backoff_ms = max(100, int(reconnect_interval_s * 1000))
+        self._channel = grpc.insecure_channel(
+            endpoint,
+            options=[
+                ("grpc.max_send_message_length", -1),
+                ("grpc.max_receive_message_length", -1),
+                # Re-dial a restarted store within the reconnect interval, not gRPC's default 2 minutes.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", backoff_ms),
+            ],
+        )
+        self._stub = store_pb2_grpc.KvStoreStub(self._channel)  # type: ignore[no-untyped-call]
+        self._thread = threading.Thread(target=self._maintain, name="kvtag-store-heartbeat", daemon=True)
+        self._thread.start()
+
+    # ---- session -------------------------------------------------------------------
+
+    def open(self) -> bool:
+        """Try to open the session now, within rpc_timeout_s; True when CONNECTED."""
+        if self._closed.is_set():
+            return False
+        with contextlib.suppress(_CallFailed):
+            self._open_session(_Deadline(self.rpc_timeout_s), stale_session="")
+        return self.state is StoreState.CONNECTED
+
+    def _open_session(self, deadline: _Deadline, stale_session: str) -> str:
+        """Open a new session unless another thread already replaced `stale_session`; return its id."""
+        with self._open_lock:
+            with self._lock:
+                if self.state is StoreState.REFUSED:
+                    raise _CallFailed("refused")
+                if self.state is StoreState.CONNECTED and self.session_id != stale_session:
+                    return self.session_id
+            request = pb.OpenSessionRequest(
+                engine_id=self.engine_id,
+                namespace=self.namespace,
+                mode=self.mode,
+                probe_keys=self.probe_keys,
+                data_paths=[pb.DATA_PATH_INLINE],
+                labels=self.labels,
+            )
+            try:
+                response: pb.OpenSessionResponse = self._stub.OpenSession(
+                    request, timeout=deadline.remaining()
+                )
+            except grpc.RpcError as err:
+                self._on_open_error(err)
+                raise _CallFailed("open failed") from err
+            with self._lock:
+                reconnect = self._ever_connected
+                self._ever_connected = True
+                self.session_id = response.session_id
+                self.mode_id = response.mode_id or self.mode_id
+                self.namespace_id = response.namespace_id or self.namespace_id
+                self.session_ttl_ms = response.session_ttl_ms
+                if response.HasField("limits"):
+                    self.limits = self._merged_limits(response.limits)
+                self.warnings = list(response.warnings)
+                self.state = StoreState.CONNECTED
+                if reconnect:
+                    self.counters.reconnects += 1
+                was_out, self._outage_logged = self._outage_logged, False
+            if was_out:
+                log.warning(
+                    "kvtag store %s is back: session %s re-opened", self.endpoint, response.session_id
+                )
+            else:
+                log.info(
+                    "kvtag store %s: session %s open (namespace %s, mode %s)",
+                    self.endpoint,
+                    response.session_id,
+                    self.namespace_id,
+                    self.mode_id,
+                )
+            self._log_warnings(response.warnings)
+            self._wake.set()  # the heartbeat period may have changed
+            return response.session_id
+
+    @staticmethod
+    def _merged_limits(server: pb.Limits) -> pb.Limits:
+        """The server's limits, with the defaults standing in for fields it left at 0."""
+        merged = pb.Limits()
+        merged.CopyFrom(_DEFAULT_LIMITS)
+        for name in ("max_key_bytes", "max_batch_items", "max_value_bytes", "max_message_bytes"):
+            if getattr(server, name):
+                setattr(merged, name, getattr(server, name))
+        return merged
+
+    def _on_open_error(self, err: grpc.RpcError) -> None:
+        detail = parse_error(err)
+        code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
+        if detail is not None and detail.reason in _REFUSAL_REASONS:
+            with self._lock:
+                self.state = StoreState.REFUSED
+                self.session_id = ""
+                self.refusal = detail.mode_refusal
+                self.refusal_error = detail
+            log.error("%s", self._refusal_text(detail))
+            return
+        self._mark_outage(code, err)
+
+    def _refusal_text(self, detail: KvtagError) -> str:
+        lines = [
+            f"kvtag store {self.endpoint} refused engine {self.engine_id!r} "
+            f"({detail.reason}): {detail.message}",
+        ]
+        if detail.mode_refusal is not None:
+            refusal = detail.mode_refusal
+            lines.append(
+                f"  namespace {refusal.namespace_id} is established on mode {refusal.established_mode_id}; "
+                f"this engine hashes with mode {refusal.requested_mode_id}. Differing fields:"
+            )
+            lines.extend(
+                f"    {d.field}: store has {d.established!r}, this engine has {d.requested!r}"
+                for d in refusal.diffs
+            )
+        if detail.probe_disagreement is not None:
+            probe = detail.probe_disagreement
+            lines.append(
+                f"  same declared mode {probe.mode_id} as engine {probe.reference_engine_id!r}, "
+                f"but different probe keys: {probe.likely_cause}"
+            )
+        lines.extend(f"  {field}: {description}" for field, description in detail.field_violations)
+        lines.append(
+            "  Running WITHOUT the store: every lookup misses and every save is dropped. Align the settings "
+            "above with the other engines, or use a separate namespace (cache salt / tenant)."
+        )
+        return "\n".join(lines)
+
+    def _log_warnings(self, warnings: Sequence[pb.CensusWarning]) -> None:
+        for warning in warnings:
+            marker = (warning.kind, warning.other_mode_id)
+            with self._lock:
+                if marker in self._logged_warnings:
+                    continue
+                self._logged_warnings.add(marker)
+            log.warning(
+                "kvtag store %s census warning %s (other mode %s): %s",
+                self.endpoint,
+                warning.kind,
+                warning.other_mode_id,
+                warning.message,
+            )
+
+    def _mark_outage(self, code: grpc.StatusCode, err: BaseException | None) -> None:
+        with self._lock:
+            if self.state is StoreState.REFUSED or self._closed.is_set():
+                return
+            self.state = StoreState.DEGRADED
+            first, self._outage_logged = not self._outage_logged, True
+        self._wake.set()  # the heartbeat thread switches to the reconnect period
+        if first:
+            reason = err.details() if isinstance(err, grpc.Call) else str(err)
+            log.warning(
+                "kvtag store %s is not answering (%s: %s); lookups report misses and saves are dropped "
+                "until it returns (retrying every %.1f s)",
+                self.endpoint,
+                code.name,
+                reason,
+                self.reconnect_interval_s,
+            )
+
+    # ---- background heartbeat / reconnect ------------------------------------------
+
+    def _maintain(self) -> None:
+        """Heartbeat at ttl/3 while connected; re-open every reconnect interval while degraded."""
+        while not self._closed.is_set():
+            with self._lock:
+                state, session_id, ttl_ms = self.state, self.session_id, self.session_ttl_ms
+            connected = state is StoreState.CONNECTED and ttl_ms > 0
+            period = ttl_ms / 3000.0 if connected else self.reconnect_interval_s
+            if self._wake.wait(period):
+                self._wake.clear()
+                continue
+            if self._closed.is_set():
+                return
+            with self._lock:
+                state, session_id = self.state, self.session_id
+            try:
+                if state is StoreState.CONNECTED:
+                    self._heartbeat(session_id)
+                elif state is StoreState.DEGRADED:
+                    self._recover(session_id)
+            except _CallFailed:
+                pass
+            except Exception:  # the thread must survive anything; the next period tries again
+                log.exception("kvtag store client maintenance failed")
+
+    def _heartbeat(self, session_id: str) -> None:
+        try:
+            response = self._stub.Heartbeat(
+                pb.HeartbeatRequest(session_id=session_id), timeout=self.rpc_timeout_s
+            )
+        except grpc.RpcError as err:
+            if self._is_session_gone(err):
+                self._open_session(_Deadline(self.rpc_timeout_s), stale_session=session_id)
+            else:
+                self._mark_outage(self._code(err), err)
+            return
+        if response.session_ttl_ms:
+            with self._lock:
+                self.session_ttl_ms = response.session_ttl_ms
+
+    def _recover(self, session_id: str) -> None:
+        """Back from an outage: keep the old session if the store still knows it, else open a new one."""
+        if session_id:
+            try:
+                self._stub.Heartbeat(pb.HeartbeatRequest(session_id=session_id), timeout=self.rpc_timeout_s)
+            except grpc.RpcError as err:
+                if not self._is_session_gone(err):
+                    self._mark_outage(self._code(err), err)
+                    return
+            else:
+                with self._lock:
+                    if self.state is not StoreState.DEGRADED or self.session_id != session_id:
+                        return
+                    self.state = StoreState.CONNECTED
+                    self.counters.reconnects += 1
+                    self._outage_logged = False
+                log.warning("kvtag store %s is back: session %s still valid", self.endpoint, session_id)
+                return
+        self._open_session(_Deadline(self.rpc_timeout_s), stale_session=session_id)
+
+    # ---- call plumbing -------------------------------------------------------------
+
+    @staticmethod
+    def _code(err: grpc.RpcError) -> grpc.StatusCode:
+        return err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
+
+    def _is_session_gone(self, err: grpc.RpcError) -> bool:
+        if self._code(err) is not grpc.StatusCode.NOT_FOUND:
+            return False
+        detail = parse_error(err)
+        return detail is None or detail.reason == "SESSION_NOT_FOUND"
+
+    def _session_for_call(self) -> str | None:
+        """The live session id, or None (counted as a degraded call) when the store is not usable now."""
+        with self._lock:
+            if self.state is StoreState.CONNECTED:
+                return self.session_id
+            self.counters.degraded_calls += 1
+            return None
+
+    def _call(self, deadline: _Deadline, rpc: Callable[[str, float], _T]) -> _T:
+        """Run rpc(session_id, timeout); re-open transparently once if the session expired."""
+        session_id = self._session_for_call()
+        if session_id is None:
+            raise _CallFailed("not connected")
+        for attempt in (0, 1):
+            try:
+                return rpc(session_id, deadline.remaining())
+            except grpc.RpcError as err:
+                if attempt == 0 and self._is_session_gone(err):
+                    try:
+                        session_id = self._open_session(deadline, stale_session=session_id)
+                    except _CallFailed:
+                        with self._lock:
+                            self.counters.degraded_calls += 1
+                        raise
+                    continue
+                self._on_call_error(err)
+                raise _CallFailed(self._code(err).name) from err
+        raise AssertionError("unreachable")
+
+    def _on_call_error(self, err: grpc.RpcError) -> None:
+        code = self._code(err)
+        with self._lock:
+            self.counters.degraded_calls += 1
+        if code in _OUTAGE_CODES:
+            self._mark_outage(code, err)
+        else:
+            # A request the store rejected as malformed: a client bug, not an outage.
+            log.error("kvtag store %s rejected a request (%s): %s", self.endpoint, code.name, err)
+
+    def _transfer_deadline(self, nbytes: int) -> _Deadline:
+        return _Deadline(self.rpc_timeout_s + nbytes / self.min_transfer_bytes_per_s)
+
+    def _batch_size(self) -> int:
+        return max(1, self.limits.max_batch_items)
+
+    def _message_budget(self) -> int:
+        limit = self.limits.max_message_bytes
+        return max(limit // 2, limit - _MESSAGE_MARGIN)
+
+    def _valid_key(self, key: bytes) -> bool:
+        return 0 < len(key) <= self.limits.max_key_bytes
+
+    def _block_ref(self, group: int, key: bytes, base_key: bytes = b"") -> pb.BlockRef:
+        if base_key and not self._valid_key(base_key):
+            base_key = b""  # diagnostics only: drop rather than fail the batch
+        return pb.BlockRef(key=key, group=group, base_key=base_key)
+
+    # ---- public calls --------------------------------------------------------------
+
+    def lookup(self, blocks: Sequence[tuple[int, bytes, bytes]], lease_ms: int = 0) -> LookupResult:
+        """Leading HIT count, a status per block and a read lease on the hits; misses when degraded."""
+        with self._lock:
+            self.counters.lookups += 1
+        if not blocks:
+            return LookupResult(0, [], "")
+        statuses: list[int] = [pb.KEY_STATUS_UNSPECIFIED] * len(blocks)
+        leases: list[str] = []
+        deadline = _Deadline(self.rpc_timeout_s)
+        try:
+            start = 0
+            while start < len(blocks):
+                chunk_end = min(len(blocks), start + self._batch_size())
+                indices = [i for i in range(start, chunk_end) if self._valid_key(blocks[i][1])]
+                for i in range(start, chunk_end):
+                    statuses[i] = pb.MISS
+                if indices:
+                    refs = [self._block_ref(blocks[i][0], blocks[i][1], blocks[i][2]) for i in indices]
+
+                    def rpc(sid: str, timeout: float, refs: list[pb.BlockRef] = refs) -> pb.LookupResponse:
+                        request = pb.LookupRequest(session_id=sid, blocks=refs, lease_ms=lease_ms)
+                        response: pb.LookupResponse = self._stub.Lookup(request, timeout=timeout)
+                        return response
+
+                    response = self._call(deadline, rpc)
+                    for i, status in zip(indices, response.statuses, strict=False):
+                        statuses[i] = status
+                    if response.lease.lease_id:
+                        leases.append(response.lease.lease_id)
+                # Later chunks cannot extend a prefix that already broke.
+                if any(s != pb.HIT for s in statuses[start:chunk_end]):
+                    break
+                start = chunk_end
+        except _CallFailed:
+            if leases:
+                self.release(",".join(leases))
+            return LookupResult(0, [int(pb.KEY_STATUS_UNSPECIFIED)] * len(blocks), "")
+        prefix = 0
+        while prefix < len(statuses) and statuses[prefix] == pb.HIT:
+            prefix += 1
+        with self._lock:
+            self.counters.hit_blocks += sum(1 for s in statuses if s == pb.HIT)
+            self.counters.miss_blocks += sum(1 for s in statuses if s == pb.MISS)
+            self.counters.mode_mismatch_blocks += sum(1 for s in statuses if s == pb.MODE_MISMATCH)
+        return LookupResult(prefix, statuses, ",".join(leases))
+
+    def put(self, items: Sequence[tuple[int, bytes, bytes, bytes]]) -> list[int] | None:
+        """Store (group, key, value, base_key) items; a PutStatus per item, or None when all were dropped.
+
+        Batches are split by the server's Limits: at most max_batch_items items per RPC,
+        and messages under max_message_bytes (several messages go through PutStream).
+        Items that cannot be sent at all (bad key, value larger than a message) are
+        REJECTED locally; items lost to a failure mid-batch are UNSPECIFIED and counted
+        as dropped.
+        """
+        if not items:
+            return []
+        results: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
+        with self._lock:
+            connected = self.state is StoreState.CONNECTED
+        if not connected:
+            with self._lock:
+                self.counters.degraded_calls += 1
+                self.counters.put_dropped += len(items)
+            return None
+        budget = self._message_budget()
+        sendable: list[int] = []
+        for n, (_, key, value, _) in enumerate(items):
+            if not self._valid_key(key) or len(value) + len(key) + _ITEM_OVERHEAD > budget:
+                results[n] = pb.REJECTED
+            else:
+                sendable.append(n)
+                self._value_bytes_estimate = max(self._value_bytes_estimate, len(value))
+        deadline = self._transfer_deadline(sum(len(items[n][2]) for n in sendable))
+        sent_any = False
+        try:
+            for batch in self._put_batches(items, sendable, budget):
+                statuses = self._put_batch(deadline, items, batch)
+                for n, status in zip([n for message in batch for n in message], statuses, strict=False):
+                    results[n] = status
+                sent_any = True
+        except _CallFailed:
+            pass
+        with self._lock:
+            c = self.counters
+            c.put_stored += results.count(pb.STORED)
+            c.put_present += results.count(pb.ALREADY_PRESENT)
+            c.put_conflict += results.count(pb.CONFLICT)
+            c.put_rejected += results.count(pb.REJECTED)
+            c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
+        if not sent_any and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
+            return None
+        return [int(r) for r in results]
+
+    def _put_batches(
+        self, items: Sequence[tuple[int, bytes, bytes, bytes]], sendable: list[int], budget: int
+    ) -> Iterator[list[list[int]]]:
+        """Item indices grouped into RPCs (<= max_batch_items items) of messages (<= budget bytes)."""
+        batch: list[list[int]] = []
+        message: list[int] = []
+        message_bytes = 0
+        batch_items = 0
+        for n in sendable:
+            _, key, value, base_key = items[n]
+            size = len(key) + len(base_key) + len(value) + _ITEM_OVERHEAD
+            if message and message_bytes + size > budget:
+                batch.append(message)
+                message, message_bytes = [], 0
+            if batch_items == self._batch_size():
+                if message:
+                    batch.append(message)
+                yield batch
+                batch, message, message_bytes, batch_items = [], [], 0, 0
+            message.append(n)
+            message_bytes += size
+            batch_items += 1
+        if message:
+            batch.append(message)
+        if batch:
+            yield batch
+
+    def _put_batch(
+        self, deadline: _Deadline, items: Sequence[tuple[int, bytes, bytes, bytes]], batch: list[list[int]]
+    ) -> list[int]:
+        def messages(sid: str) -> list[pb.PutRequest]:
+            out = []
+            for message in batch:
+                put_items = []
+                for n in message:
+                    group, key, value, base_key = items[n]
+                    put_items.append(pb.PutItem(block=self._block_ref(group, key, base_key), value=value))
+                out.append(pb.PutRequest(session_id=sid, items=put_items))
+            return out
+
+        def rpc(sid: str, timeout: float) -> list[int]:
+            requests = messages(sid)
+            if len(requests) == 1:
+                response: pb.PutResponse = self._stub.Put(requests[0], timeout=timeout)
+            else:
+                response = self._stub.PutStream(iter(requests), timeout=timeout)
+            return [r.status for r in response.results]
+
+        return self._call(deadline, rpc)
+
+    def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[bytes | None]:
+        """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded)."""
+        values: list[bytes | None] = [None] * len(blocks)
+        if not blocks:
+            if lease_id:
+                self.release(lease_id)
+            return values
+        estimate = self._value_bytes_estimate or (1 << 20)
+        deadline = self._transfer_deadline(estimate * len(blocks))
+        valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
+        per_rpc = max(1, min(self._batch_size(), self._message_budget() // (estimate + _ITEM_OVERHEAD)))
+        chunks = [valid[i : i + self._batch_size()] for i in range(0, len(valid), self._batch_size())]
+        try:
+            for c, chunk in enumerate(chunks):
+                last = c == len(chunks) - 1
+                refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
+                stream = len(chunk) > per_rpc
+
+                def rpc(
+                    sid: str,
+                    timeout: float,
+                    refs: list[pb.BlockRef] = refs,
+                    last: bool = last,
+                    stream: bool = stream,
+                ) -> list[pb.GetResult]:
+                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
+                    if not stream:
+                        response: pb.GetResponse = self._stub.Get(request, timeout=timeout)
+                        return list(response.results)
+                    results: list[pb.GetResult] = []
+                    for part in self._stub.GetStream(request, timeout=timeout):
+                        results.extend(part.results)
+                    return results
+
+                for n, result in zip(chunk, self._call(deadline, rpc), strict=False):
+                    if result.status == pb.HIT:
+                        values[n] = result.value
+                        self._value_bytes_estimate = max(self._value_bytes_estimate, len(result.value))
+        except _CallFailed:
+            if lease_id:
+                self.release(lease_id)
+        with self._lock:
+            self.counters.get_failed += sum(1 for v in values if v is None)
+        return values
+
+    def release(self, lease_id: str) -> None:
+        """Release a lookup lease early (best effort; leases also expire on their own)."""
+        lease_ids = [lid for lid in lease_id.split(",") if lid]
+        if not lease_ids:
+            return
+        with self._lock:
+            if self.state is not StoreState.CONNECTED:
+                return
+            session_id = self.session_id
+        try:
+            self._stub.ReleaseLeases(
+                pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=lease_ids),
+                timeout=self.rpc_timeout_s,
+            )
+        except grpc.RpcError as err:
+            if not self._is_session_gone(err):  # a gone session has no leases left to release
+                self._on_call_error(err)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread, close the session (best effort) and the channel. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake.set()
+        with self._lock:
+            session_id = self.session_id if self.state is StoreState.CONNECTED else ""
+        if session_id:
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.CloseSession(
+                    pb.CloseSessionRequest(session_id=session_id), timeout=min(self.rpc_timeout_s, 0.5)
+                )
+        self._thread.join(timeout=self.rpc_timeout_s + 1.0)
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

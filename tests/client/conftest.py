@@ -1,0 +1,68 @@
+"""Fixtures: real kvtag-store subprocesses on free loopback ports, and clients built against them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kvtag_client import keys
+from kvtag_client.store import StoreClient
+
+from .store_harness import StoreProcess, free_port, namespace
+
+StoreFactory = Callable[..., StoreProcess]
+
+
+@pytest.fixture
+def start_store(tmp_path: Path) -> Iterator[StoreFactory]:
+    """start_store(*extra_serve_args, port=None, start=True) -> a StoreProcess, stopped at teardown."""
+    started: list[StoreProcess] = []
+
+    def factory(*args: str, port: int | None = None, start: bool = True) -> StoreProcess:
+        store = StoreProcess(port or free_port(), list(args), tmp_path / f"store-{len(started)}.log")
+        started.append(store)
+        if start:
+            store.start()
+        return store
+
+    yield factory
+    for store in started:
+        store.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
+    """One isolate-policy store for the tests that do not fault it."""
+    store = StoreProcess(free_port(), [], tmp_path_factory.mktemp("store") / "store.log")
+    store.start()
+    yield store
+    store.stop()
+
+
+ClientFactory = Callable[..., StoreClient]
+
+
+@pytest.fixture
+def make_client() -> Iterator[ClientFactory]:
+    """make_client(endpoint, lookahead_tokens=0, tenant="", **kwargs) -> a canonical-scheme StoreClient."""
+    clients: list[StoreClient] = []
+
+    def factory(endpoint: str, lookahead_tokens: int = 0, tenant: str = "", **kwargs: object) -> StoreClient:
+        options: dict[str, object] = {"rpc_timeout_s": 0.5, "reconnect_interval_s": 0.3}
+        options.update(kwargs)
+        client = StoreClient(
+            endpoint,
+            engine_id=f"engine-{len(clients)}",
+            namespace=namespace(tenant),
+            mode=keys.mode(16, lookahead_tokens),
+            probe_keys=keys.probe_keys(16, lookahead_tokens),
+            labels={"test": "client"},
+            **options,  # type: ignore[arg-type]
+        )
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        client.close()

@@ -1,0 +1,285 @@
+"""StoreClient against a real kvtag-store process: round trips, refusals, and degrading without failing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import pytest
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+from kvtag_client import keys
+from kvtag_client.store import StoreState
+
+from .conftest import ClientFactory, StoreFactory
+from .store_harness import StoreProcess, free_port, wait_until
+
+TOKENS = list(range(1000, 1000 + 16 * 6 + 1))
+
+
+def _blocks(lookahead_tokens: int = 0, tokens: list[int] = TOKENS) -> list[tuple[int, bytes, bytes]]:
+    mode_keys = keys.block_keys(tokens, 16, lookahead_tokens)
+    base = keys.block_keys(tokens, 16, 0)
+    return [(0, key, base[i]) for i, key in enumerate(mode_keys)]
+
+
+def _values(
+    blocks: list[tuple[int, bytes, bytes]], size: int = 4096
+) -> list[tuple[int, bytes, bytes, bytes]]:
+    return [(g, k, (k * (size // len(k) + 1))[:size], b) for g, k, b in blocks]
+
+
+def test_open_put_lookup_get_round_trip(shared_store: StoreProcess, make_client: ClientFactory) -> None:
+    client = make_client(shared_store.endpoint, tenant="round-trip")
+    assert client.open()
+    assert client.state is StoreState.CONNECTED and client.session_id
+    blocks = _blocks()
+    items = _values(blocks)
+
+    before = client.lookup(blocks)
+    assert (before.prefix_length, set(before.statuses), before.lease_id) == (0, {pb.MISS}, "")
+    assert client.put(items) == [pb.STORED] * len(items)
+    assert client.put(items[:2]) == [pb.ALREADY_PRESENT] * 2
+
+    hit = client.lookup(blocks, lease_ms=5000)
+    assert hit.prefix_length == len(blocks)
+    assert hit.lease_id
+    assert client.get([(g, k) for g, k, _ in blocks], lease_id=hit.lease_id) == [v for _, _, v, _ in items]
+
+    counters = client.counters.snapshot()
+    assert counters["put_stored"] == len(items) and counters["put_present"] == 2
+    assert counters["hit_blocks"] == len(blocks) and counters["miss_blocks"] == len(blocks)
+    assert counters["degraded_calls"] == 0 and counters["put_dropped"] == 0
+
+
+def test_lookup_prefix_stops_at_first_miss(shared_store: StoreProcess, make_client: ClientFactory) -> None:
+    client = make_client(shared_store.endpoint, tenant="prefix")
+    assert client.open()
+    blocks = _blocks()[:3]
+    items = _values(blocks)
+    assert client.put([items[0], items[2]]) == [pb.STORED, pb.STORED]
+    result = client.lookup(blocks)
+    assert result.prefix_length == 1
+    assert result.statuses == [pb.HIT, pb.MISS, pb.HIT]
+    assert client.get([(0, blocks[1][1]), (0, blocks[2][1])]) == [None, items[2][2]]
+    client.release(result.lease_id)
+
+
+def test_other_mode_gets_mode_mismatch_and_never_bytes(
+    shared_store: StoreProcess, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    legacy = make_client(shared_store.endpoint, lookahead_tokens=0, tenant="two-modes")
+    lookahead = make_client(shared_store.endpoint, lookahead_tokens=1, tenant="two-modes")
+    assert legacy.open()
+    blocks = _blocks()[:2]
+    assert legacy.put(_values(blocks)) == [pb.STORED, pb.STORED]
+    with caplog.at_level(logging.WARNING, logger="kvtag_client.store"):
+        assert lookahead.open()
+    assert lookahead.mode_id != legacy.mode_id
+    assert [w.kind for w in lookahead.warnings] == ["MODE_SPLIT"]
+    assert sum("MODE_SPLIT" in r.getMessage() for r in caplog.records) == 1
+    # Same key bytes, other mode: the store reports the tag mismatch and serves nothing.
+    same_keys = [(g, k, b"") for g, k, _ in blocks]
+    result = lookahead.lookup(same_keys)
+    assert result.prefix_length == 0 and result.statuses == [pb.MODE_MISMATCH] * 2
+    assert lookahead.get([(g, k) for g, k, _ in same_keys]) == [None, None]
+    assert lookahead.counters.mode_mismatch_blocks == 2 and lookahead.counters.get_failed == 2
+
+
+def test_strict_store_refuses_second_mode_with_field_diff_and_client_runs_without_it(
+    start_store: StoreFactory, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = start_store("--policy", "strict")
+    first = make_client(store.endpoint, lookahead_tokens=1)
+    assert first.open()
+    second = make_client(store.endpoint, lookahead_tokens=0)
+    with caplog.at_level(logging.INFO, logger="kvtag_client.store"):
+        assert not second.open()
+        assert not second.open()  # asking again neither raises nor logs again
+    assert second.state is StoreState.REFUSED
+    assert second.refusal is not None
+    diffs = {d.field: (d.established, d.requested) for d in second.refusal.diffs}
+    assert diffs["lookahead_tokens"] == ("1", "0")
+    assert second.refusal.established_mode_id == first.mode_id
+
+    refusal_logs = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusal_logs) == 1 and refusal_logs[0].levelno == logging.ERROR
+    text = refusal_logs[0].getMessage()
+    assert "lookahead_tokens: store has '1', this engine has '0'" in text
+    assert "WITHOUT the store" in text
+
+    blocks = _blocks()
+    assert second.lookup(blocks).prefix_length == 0
+    assert second.put(_values(blocks)) is None
+    assert second.get([(0, blocks[0][1])]) == [None]
+    second.release("l-unknown")
+    counters = second.counters.snapshot()
+    assert counters["put_dropped"] == len(blocks) and counters["degraded_calls"] == 3
+    assert first.put(_values(blocks)[:1]) == [pb.STORED]  # the established engine is unaffected
+
+
+def test_unreachable_store_at_start_answers_within_deadline_then_connects_when_it_appears(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    port = free_port()
+    started = time.monotonic()
+    client = make_client(f"127.0.0.1:{port}", rpc_timeout_s=0.5, reconnect_interval_s=0.3)
+    assert not client.open()
+    blocks = _blocks()
+    result = client.lookup(blocks)
+    dropped = client.put(_values(blocks))
+    values = client.get([(0, blocks[0][1])])
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.5, f"unreachable store held the caller for {elapsed:.2f} s"
+    assert client.state is StoreState.DEGRADED
+    assert (result.prefix_length, dropped, values) == (0, None, [None])
+    assert client.counters.put_dropped == len(blocks)
+    assert client.counters.degraded_calls == 3
+
+    start_store(port=port)
+    took = wait_until(lambda: client.state is StoreState.CONNECTED, 10.0, "background connect")
+    assert took < 5.0
+    assert client.put(_values(blocks)[:1]) == [pb.STORED]
+
+
+def test_store_killed_mid_run_degrades_then_reconnects_after_restart(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store()
+    client = make_client(store.endpoint, rpc_timeout_s=0.5, reconnect_interval_s=0.3)
+    assert client.open()
+    old_session = client.session_id
+    blocks = _blocks()
+    assert client.put(_values(blocks)) == [pb.STORED] * len(blocks)
+
+    store.kill()
+    started = time.monotonic()
+    assert client.lookup(blocks).prefix_length == 0
+    assert client.put(_values(blocks)) is None
+    assert time.monotonic() - started < 1.5
+    assert client.state is StoreState.DEGRADED
+
+    store.start()
+    wait_until(lambda: client.state is StoreState.CONNECTED, 10.0, "reconnect after restart")
+    assert client.session_id != old_session  # the restarted memory store forgot the old session
+    assert client.counters.reconnects >= 1
+    assert client.lookup(blocks).prefix_length == 0  # its memory is gone too
+    assert client.put(_values(blocks)) == [pb.STORED] * len(blocks)
+    assert client.lookup(blocks).prefix_length == len(blocks)
+
+
+def test_stopped_store_calls_respect_deadline_and_session_survives(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store()
+    client = make_client(store.endpoint, rpc_timeout_s=0.4, reconnect_interval_s=0.3)
+    assert client.open()
+    session = client.session_id
+    blocks = _blocks()
+    assert client.put(_values(blocks)[:2]) == [pb.STORED] * 2
+
+    store.pause()  # SIGSTOP: the socket stays open, nothing answers
+    try:
+        for call in (
+            lambda: client.lookup(blocks),
+            lambda: client.put(_values(blocks)[2:3]),
+            lambda: client.get([(0, blocks[0][1])]),
+        ):
+            started = time.monotonic()
+            call()
+            elapsed = time.monotonic() - started
+            assert elapsed < 0.4 + 0.3, f"call took {elapsed:.2f} s against a 0.4 s deadline"
+        assert client.state is StoreState.DEGRADED
+        assert client.lookup(blocks).prefix_length == 0
+    finally:
+        store.resume()
+    wait_until(lambda: client.state is StoreState.CONNECTED, 10.0, "recovery after SIGCONT")
+    assert client.session_id == session  # a pause is not an outage the store noticed
+    assert client.lookup(blocks).prefix_length == 2
+
+
+def test_expired_session_is_reopened_transparently(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    client = make_client(shared_store.endpoint, tenant="expiry")
+    assert client.open()
+    old = client.session_id
+    with grpc.insecure_channel(shared_store.endpoint) as channel:
+        store_pb2_grpc.KvStoreStub(channel).CloseSession(  # type: ignore[no-untyped-call]
+            pb.CloseSessionRequest(session_id=old), timeout=2
+        )
+    blocks = _blocks()[:1]
+    assert client.put(_values(blocks)) == [pb.STORED]
+    assert client.session_id != old and client.state is StoreState.CONNECTED
+    assert client.counters.degraded_calls == 0 and client.counters.reconnects == 1
+
+
+def test_heartbeat_keeps_session_alive_past_its_ttl(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store("--session-ttl-ms", "600")
+    client = make_client(store.endpoint)
+    assert client.open()
+    assert client.session_ttl_ms == 600
+    session = client.session_id
+    time.sleep(2.0)
+    assert client.put(_values(_blocks()[:1])) == [pb.STORED]
+    assert client.session_id == session and client.counters.reconnects == 0
+
+
+def test_large_put_and_get_are_split_by_server_limits(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store("--max-message-bytes", "1MiB", "--max-batch-items", "8")
+    client = make_client(store.endpoint, rpc_timeout_s=2.0)
+    assert client.open()
+    assert (client.limits.max_message_bytes, client.limits.max_batch_items) == (1 << 20, 8)
+    tokens = list(range(16 * 40))
+    blocks = [(0, k, b"") for k in keys.block_keys(tokens, 16, 0)]
+    items = _values(blocks, size=200_000)  # 40 x 200 kB: 8 MB, 5 batches of several messages each
+    oversized = (0, b"too-big", b"x" * (2 << 20), b"")
+    assert client.put([*items, oversized]) == [pb.STORED] * len(items) + [pb.REJECTED]
+    assert client.lookup(blocks).prefix_length == len(blocks)
+    assert client.get([(g, k) for g, k, _ in blocks]) == [v for _, _, v, _ in items]
+    assert client.counters.put_rejected == 1 and client.counters.put_dropped == 0
+
+
+def test_concurrent_callers_share_one_client(shared_store: StoreProcess, make_client: ClientFactory) -> None:
+    client = make_client(shared_store.endpoint, tenant="threads")
+    assert client.open()
+    failures: list[str] = []
+
+    def worker(n: int) -> None:
+        tokens = [n * 100_000 + i for i in range(16 * 5)]
+        blocks = [(0, k, b"") for k in keys.block_keys(tokens, 16, 0)]
+        items = _values(blocks, size=1024)
+        for _ in range(5):
+            client.put(items)
+            if client.lookup(blocks).prefix_length != len(blocks):
+                failures.append(f"worker {n}: short prefix")
+            if client.get([(g, k) for g, k, _ in blocks]) != [v for _, _, v, _ in items]:
+                failures.append(f"worker {n}: wrong bytes")
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures == []
+    assert client.counters.put_stored == 4 * 5 and client.counters.put_present == 4 * 4 * 5
+
+
+def test_close_ends_the_session_on_the_store(shared_store: StoreProcess, make_client: ClientFactory) -> None:
+    client = make_client(shared_store.endpoint, tenant="close")
+    assert client.open()
+    session = client.session_id
+    client.close()
+    client.close()
+    with grpc.insecure_channel(shared_store.endpoint) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Heartbeat(pb.HeartbeatRequest(session_id=session), timeout=2)
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert not client.open()
