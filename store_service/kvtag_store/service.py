@@ -35,6 +35,7 @@ log = logging.getLogger("kvtag_store.service")
 
 # Room left in a message for everything but the value (keys, statuses, framing).
 MESSAGE_OVERHEAD = 1 << 20
+STREAM_MESSAGE_BYTES = (4 << 20) - (64 << 10)
 _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 
 R = TypeVar("R")
@@ -357,7 +358,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             return
         finally:
             self.metrics.rpc_seconds.labels("GetStream").observe(time.perf_counter() - started)
-        budget = min(self.limits.max_message_bytes - MESSAGE_OVERHEAD, 8 << 20)
+        # Messages stay under gRPC's default 4 MiB receive limit so any client can read the stream;
+        # only a single value larger than that needs a client that raised its limit (Limits says how far).
+        budget = min(self.limits.max_message_bytes - MESSAGE_OVERHEAD, STREAM_MESSAGE_BYTES)
         chunk: list[pb.GetResult] = []
         size = 0
         served = 0

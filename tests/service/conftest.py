@@ -32,7 +32,9 @@ def make_store() -> Iterator[ServerFactory]:
     def factory(capacity: int = 64 << 20, **config: object) -> Store:
         backend = MemoryBackend(capacity)
         server = start_server(backend, MemoryCensus(), ServiceConfig(**config), listen="127.0.0.1:0")  # type: ignore[arg-type]
-        channel = grpc.insecure_channel(server.address)
+        limit = server.service.limits.max_message_bytes
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        channel = grpc.insecure_channel(server.address, options=options)
         running.append((server, channel))
         stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
         return Store(server=server, stub=stub, backend=backend)
