@@ -132,6 +132,11 @@ def _encode_extras(hash_block_size: int, extras: ExtraKeys | None) -> _Encoded:
     )
 
 
+def check_extra_keys(extras: ExtraKeys) -> None:
+    """Raise UnencodableExtraKeys now if `extras` has no canonical encoding (before any key is derived)."""
+    _encode_extras(1, extras)
+
+
 def _mm_list(items: tuple[_MMItem, ...], start: int, end: int) -> bytes:
     """u32(count) || encoded items overlapping token range [start, end), in canonical order."""
     if start >= end:

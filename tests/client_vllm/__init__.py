@@ -1,0 +1,1 @@
+"""Client-library tests that need a real vLLM (run with .venv-vllm)."""
