@@ -7,9 +7,11 @@
 #   runtime = "runc"   crun fails on this machine's cgroup setup.
 #   default_ulimits    podman's default nofile limit is above the hard limit a
 #                      container may get here, so every run fails without it.
+#   netavark           unlike CNI it resolves service names on `internal` networks,
+#                      which compose.mooncake.yaml keeps Mooncake's listeners on.
 set -euo pipefail
 
-packages=(podman runc catatonit mmdebstrap podman-compose iptables golang-github-containernetworking-plugin-dnsname)
+packages=(podman runc catatonit mmdebstrap podman-compose iptables netavark aardvark-dns)
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -35,10 +37,19 @@ default_ulimits = ["nofile=${nofile}:${nofile}", "nproc=32768:32768"]
 
 [engine]
 runtime = "runc"
+
+[network]
+network_backend = "netavark"
 CONF
 )
 if [[ ! -f $conf ]] || [[ "$(cat "$conf")" != "$want" ]]; then
   printf '%s\n' "$want" >"$conf"
+  # A machine that ran podman with CNI before keeps CNI's default bridge, whose
+  # 10.88.0.0/16 route shadows netavark's identical default network and cuts
+  # containers off from DNS and the registries.
+  if command -v ip >/dev/null && ip link show cni-podman0 >/dev/null 2>&1; then
+    ip link delete cni-podman0
+  fi
 fi
 
 podman --version >&2

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# `make test-container`: installs podman, builds the local base and both image targets
+# from the Dockerfile, then runs tests/container (image under `podman run`, and the
+# Mooncake compose stack). Whatever the tests leave behind is removed on exit, pass or fail.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export KVTAG_TEST_RUN_ID=${KVTAG_TEST_RUN_ID:-kvtagtest$$}
+export KVTAG_BASE_IMAGE=${KVTAG_BASE_IMAGE:-localhost/kvtag-base:bookworm}
+export KVTAG_TEST_IMAGE=${KVTAG_TEST_IMAGE:-localhost/kvtag-store:test}
+export KVTAG_TEST_MOONCAKE_IMAGE=${KVTAG_TEST_MOONCAKE_IMAGE:-localhost/kvtag-store:test-mooncake}
+
+cleanup() {
+  local ids networks
+  ids=$(
+    podman ps --all --quiet --filter "label=kvtag.test.run=$KVTAG_TEST_RUN_ID"
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded"; do
+      podman ps --all --quiet --filter "label=io.podman.compose.project=$project"
+    done
+  )
+  if [[ -n $ids ]]; then
+    echo "test_container: removing leftover containers" >&2
+    # shellcheck disable=SC2086 # one id per word
+    podman rm --force --time 0 $ids >/dev/null || true
+  fi
+  networks=$(
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded"; do
+      podman network ls --quiet --filter "label=io.podman.compose.project=$project"
+    done
+  )
+  if [[ -n $networks ]]; then
+    # shellcheck disable=SC2086
+    podman network rm --force $networks >/dev/null || true
+  fi
+}
+
+step() { printf 'test_container: %s (%ss)\n' "$1" "$SECONDS" >&2; }
+
+step "installing podman"
+scripts/install_podman.sh
+trap cleanup EXIT
+
+step "building the base image $KVTAG_BASE_IMAGE"
+scripts/build_base_image.sh
+
+build() {
+  podman build --quiet --format docker --target "$1" \
+    --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" --tag "$2" . >/dev/null
+  podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$2" >&2
+}
+step "building $KVTAG_TEST_IMAGE (target embedded)"
+build embedded "$KVTAG_TEST_IMAGE"
+step "building $KVTAG_TEST_MOONCAKE_IMAGE (target mooncake)"
+build mooncake "$KVTAG_TEST_MOONCAKE_IMAGE"
+
+if [[ -x .venv/bin/hadolint ]]; then
+  step "hadolint Dockerfile"
+  .venv/bin/hadolint Dockerfile
+fi
+
+step "running tests/container"
+status=0
+.venv/bin/pytest -q tests/container "$@" || status=$?
+step "done"
+exit $status
