@@ -73,7 +73,11 @@ class Replica:
             stderr=subprocess.STDOUT,
             env=mooncake_env(),
         )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        limit = 64 << 20
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{self.port}",
+            options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)],
+        )
         grpc.channel_ready_future(self.channel).result(timeout=20)
         self.stub = store_pb2_grpc.KvStoreStub(self.channel)  # type: ignore[no-untyped-call]
 

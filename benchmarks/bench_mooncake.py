@@ -1,0 +1,292 @@
+"""kvtag over Mooncake beside a raw Mooncake client doing the same puts and gets, in one run.
+
+Four columns per value size, interleaved per repeat so machine noise hits them alike:
+
+- raw:      a plain MooncakeDistributedStore, put_batch / get_batch of the same values;
+- backend:  kvtag's MooncakeBackend in process (headers, checksums, put read-back, existence check),
+            item by item as the service calls it today (put) and batched (put_many);
+- service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
+            and the same service over its memory backend (gRPC + service layer without Mooncake);
+- parts:    where the backend's extra time goes, each part timed alone on the same blocks
+            (CRC-32 of the values, the header read-back of a put, the existence check of a get).
+
+Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). Every Mooncake
+process must live in a private network namespace; when run outside one, the script re-runs itself
+under `unshare -n` (root) with loopback up.
+
+    .venv/bin/python benchmarks/bench_mooncake.py [--quick] [--out benchmarks/results/mooncake.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+KiB = 1024
+MiB = 1024 * KiB
+GB = 1e9
+MODE = "m-0123456789abcdef"
+
+
+def reexec_in_private_netns() -> None:
+    """Mooncake's transfer engine listens on all interfaces: run where only loopback exists."""
+    from tests.mooncake.cluster import in_private_netns
+
+    if in_private_netns():
+        return
+    if os.environ.get("KVTAG_BENCH_NETNS") == "1":
+        raise SystemExit("still not in a private network namespace after unshare -n")
+    env = dict(os.environ, KVTAG_BENCH_NETNS="1")
+    script = 'ip link set lo up && exec "$0" "$@"'
+    raise SystemExit(
+        subprocess.call(["unshare", "-n", "--", "bash", "-c", script, sys.executable, *sys.argv], env=env)
+    )
+
+
+@dataclass
+class Rig:
+    """Everything one run talks to."""
+
+    raw: Any
+    backend: Any
+    kvtag: Any
+    memory: Any
+    kvtag_session: str
+    memory_session: str
+    service_ns: str
+
+
+ROWS = (
+    "raw_put",
+    "raw_get",
+    "backend_put",
+    "backend_put_many",
+    "backend_get",
+    "service_put",
+    "service_get",
+    "memory_service_put",
+    "memory_service_get",
+    "crc32",
+    "put_readback",
+    "get_exist_check",
+)
+
+
+def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[str, float]:
+    """One repeat for one value size: every column on fresh keys, seconds per column."""
+    from kvtag.v1 import store_pb2 as pb
+    from kvtag_store.backends.base import BlockKey, PutOutcome
+    from kvtag_store.backends.mooncake_format import object_key
+
+    tag = os.urandom(4).hex()
+    keys = [f"{tag}-{i}".encode() for i in range(count)]
+    batches = [list(range(i, min(i + batch, count))) for i in range(0, count, batch)]
+    value = [values[i % len(values)] for i in range(count)]
+    raw_keys = [f"raw/{k.decode()}" for k in keys]
+    ns, ns_many = f"ns-bench-{tag}", f"ns-bench-many-{tag}"
+    mkeys = [object_key(ns, 0, k) for k in keys]
+    skeys = [b"svc-" + k for k in keys]
+    out = dict.fromkeys(ROWS, 0.0)
+
+    def clock(row: str, call: Callable[..., object], *args: Any) -> None:
+        started = time.perf_counter()
+        call(*args)
+        out[row] += time.perf_counter() - started
+
+    def raw_put(b: list[int]) -> None:
+        rig.raw.put_batch([raw_keys[i] for i in b], [value[i] for i in b])
+
+    def raw_get(b: list[int]) -> None:
+        rig.raw.get_batch([raw_keys[i] for i in b])
+
+    def backend_get(b: list[int]) -> None:
+        rig.backend.get(ns, MODE, [(0, BlockKey(keys[i])) for i in b])
+
+    def exist_check(b: list[int]) -> None:
+        rig.raw.batch_is_exist([mkeys[i] for i in b])
+
+    def backend_put(b: list[int]) -> None:
+        for i in b:
+            outcome = rig.backend.put(ns, MODE, (0, BlockKey(keys[i])), value[i]).outcome
+            assert outcome is PutOutcome.STORED, outcome
+
+    def backend_put_many(b: list[int]) -> None:
+        outcomes = rig.backend.put_many(ns_many, MODE, [((0, BlockKey(keys[i])), value[i]) for i in b])
+        assert all(r.outcome is PutOutcome.STORED for r in outcomes), outcomes
+
+    def service_put(server: Any, session: str, b: list[int]) -> None:
+        items = [pb.PutItem(block=pb.BlockRef(key=skeys[i]), value=value[i]) for i in b]
+        response = server.stub.Put(pb.PutRequest(session_id=session, items=items), timeout=60)
+        assert all(r.status == pb.STORED for r in response.results), response
+
+    def service_get(server: Any, session: str, b: list[int]) -> None:
+        blocks = [pb.BlockRef(key=skeys[i]) for i in b]
+        response = server.stub.Get(pb.GetRequest(session_id=session, blocks=blocks), timeout=60)
+        assert all(r.status == pb.HIT for r in response.results)
+
+    for row, call in (
+        ("raw_put", raw_put),
+        ("raw_get", raw_get),
+        ("backend_put", backend_put),
+        ("backend_put_many", backend_put_many),
+        ("backend_get", backend_get),
+        ("get_exist_check", exist_check),
+    ):
+        for b in batches:
+            clock(row, call, b)
+    # The parts of the backend's extra work, each alone on the blocks just stored.
+    for i in range(count):
+        clock("crc32", zlib.crc32, value[i])
+        clock("put_readback", rig.backend._headers.read, [mkeys[i]])
+    for row, server, session in (
+        ("service", rig.kvtag, rig.kvtag_session),
+        ("memory_service", rig.memory, rig.memory_session),
+    ):
+        for b in batches:
+            clock(row + "_put", service_put, server, session, b)
+        for b in batches:
+            clock(row + "_get", service_get, server, session, b)
+    # Free the room for the next repeat once the reads' leases (1 s here) lapse.
+    time.sleep(1.1)
+    stored = raw_keys + mkeys + [object_key(ns_many, 0, k) for k in keys]
+    rig.raw.batch_remove(stored + [object_key(rig.service_ns, 0, k) for k in skeys], True)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtag_proto import ids
+    from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeSettings, connect
+
+    from tests.mooncake.cluster import MooncakeCluster
+    from tests.mooncake.replicas import Replica, mode, namespace
+
+    sizes = [64 * KiB, 1 * MiB] if args.quick else [64 * KiB, 1 * MiB, 4 * MiB]
+    repeats = 2 if args.quick else 3
+    volume = (16 if args.quick else 32) * MiB
+    workdir = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
+    cluster = MooncakeCluster(workdir, lease_ttl_ms=1000)
+    cluster.start_master()
+    cluster.start_storage(1024 * MiB)
+    settings = MooncakeSettings(
+        master=cluster.master_address,
+        metrics=cluster.metrics_address,
+        local_buffer_bytes=128 * MiB,
+        lease_ttl_ms=1000,
+    )
+    raw = connect(settings)
+    backend = MooncakeBackend(connect(settings), settings)
+    kvtag = Replica(cluster, workdir, "replica", ["--mooncake-local-buffer=128MB"])
+    # The same service over its memory backend: what gRPC and the service layer cost without Mooncake.
+    memory = Replica(cluster, workdir, "memory", ["--backend=memory", "--capacity=2GiB"])
+    results: dict[str, Any] = {"sizes": {}}
+    try:
+        kvtag.start()
+        memory.start()
+        ns_desc = namespace("bench-" + os.urandom(4).hex())
+        rig = Rig(
+            raw,
+            backend,
+            kvtag,
+            memory,
+            kvtag.open(ns_desc, mode(), "bench").session_id,
+            memory.open(ns_desc, mode(), "bench").session_id,
+            ids.namespace_id(ns_desc),
+        )
+        for size in sizes:
+            count = max(volume // size, 4)
+            batch = max(1, min(count, (8 * MiB) // size))
+            values = [os.urandom(size) for _ in range(min(count, 8))]
+            rows: dict[str, list[float]] = {k: [] for k in ROWS}
+            for _ in range(repeats):
+                for row, seconds in measure_once(rig, values, count, batch).items():
+                    rows[row].append(seconds)
+            median = {k: statistics.median(v) for k, v in rows.items()}
+            total = count * size
+            results["sizes"][str(size)] = {
+                "blocks": count,
+                "batch": batch,
+                "bytes": total,
+                "seconds_median": median,
+                "seconds_all": rows,
+                "gbps": {k: total / v / GB for k, v in median.items() if k.endswith(("_put", "_get")) and v},
+                "overhead_ratio": {
+                    "backend_put": median["backend_put"] / median["raw_put"],
+                    "backend_put_many": median["backend_put_many"] / median["raw_put"],
+                    "backend_get": median["backend_get"] / median["raw_get"],
+                    "service_put": median["service_put"] / median["raw_put"],
+                    "service_get": median["service_get"] / median["raw_get"],
+                    "memory_service_put": median["memory_service_put"] / median["raw_put"],
+                    "memory_service_get": median["memory_service_get"] / median["raw_get"],
+                },
+            }
+    finally:
+        memory.stop()
+        kvtag.stop()
+        backend.close()
+        raw.close()
+        cluster.stop()
+    results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    results["repeats"] = repeats
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    head = f"{'value':>8} {'op':>4} {'raw ms':>8} {'backend':>8} {'service':>8} {'svc/mem':>8}"
+    lines = [head + "   ratio to raw: backend  service  svc/mem   where the backend's extra time goes (ms)"]
+    for size, row in results["sizes"].items():
+        med = {k: v * 1000 for k, v in row["seconds_median"].items()}
+        ratio = row["overhead_ratio"]
+        label = f"{int(size) // KiB}KiB" if int(size) < MiB else f"{int(size) // MiB}MiB"
+        for op, backend, parts in (
+            ("put", "backend_put", f"crc32 {med['crc32']:.1f}, header read-back {med['put_readback']:.1f}"),
+            ("putN", "backend_put_many", "put_many: one put_batch + one read-back per chunk"),
+            ("get", "backend_get", f"crc32 {med['crc32']:.1f}, existence check {med['get_exist_check']:.1f}"),
+        ):
+            kind = "get" if op == "get" else "put"
+            service = f"{med['service_' + kind]:8.1f}" if op != "putN" else f"{'':>8}"
+            memory = f"{med['memory_service_' + kind]:8.1f}" if op != "putN" else f"{'':>8}"
+            if op == "putN":
+                ratios = f"{ratio[backend]:8.2f} {'':>8} {'':>8}"
+            else:
+                ratios = f"{ratio[backend]:8.2f} {ratio['service_' + kind]:8.2f} "
+                ratios += f"{ratio['memory_service_' + kind]:8.2f}"
+            lines.append(
+                f"{label:>8} {op:>4} {med['raw_' + kind]:8.1f} {med[backend]:8.1f} {service} {memory}"
+                f"                 {ratios}   {parts}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, less volume, two repeats")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    args = parser.parse_args()
+    reexec_in_private_netns()
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    results = run(args)
+    print(table(results))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
