@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,8 @@ class Engine:
         self.step_log: list[dict[str, Any]] = []
         # req_id -> {block_id: index in the request's group-0 block table}, for tracked requests.
         self.block_index: dict[str, dict[int, int]] = {}
+        # Called after the target forward (and a post-forward start_load_kv), before the drafter's.
+        self.between_forwards: Callable[[Any], None] | None = None
 
     @property
     def connector(self) -> KvtagConnector:
@@ -354,6 +356,8 @@ class Engine:
         self._forward(out, 0, samples)
         if not out.has_sync_kv_loads:
             w.start_load_kv(None)
+        if self.between_forwards is not None:
+            self.between_forwards(out)
         self._forward(out, 1, samples)
         w.wait_for_save()
         results = w.get_transfer_results(out.finished_req_ids)

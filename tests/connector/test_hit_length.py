@@ -21,7 +21,9 @@ def fresh_prompt(length: int) -> list[int]:
     return [base + i for i in range(length)]
 
 
-def external_hit(make_engine: Callable[..., Engine], store: StoreProcess, prompt: list[int], **mode: object) -> int:
+def external_hit(
+    make_engine: Callable[..., Engine], store: StoreProcess, prompt: list[int], **mode: object
+) -> int:
     """Store `prompt` (+2 generated tokens) from one engine, then ask a second one for the same prompt."""
     writer = make_engine(store.endpoint, **mode)
     writer.add("w", prompt, max_tokens=3)
