@@ -77,7 +77,7 @@ class ServiceConfig:
     max_lease_ms: int = 600_000
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     # Bound on the base-key index used to count cross-mode misses.
-    base_index_entries: int = 1_000_000
+    base_index_entries: int = 200_000
 
     def policy_for(self, namespace_id: str) -> int:
         return self.namespace_policies.get(namespace_id, self.default_policy)
@@ -107,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--max-batch-items", "65536", "most items in one Lookup/Put/Get request")
     flag("--max-message-bytes", "64MiB", "largest gRPC message sent or received")
     flag("--workers", "16", "gRPC worker threads")
-    flag("--base-index-entries", "1000000", "bound of the base-key index behind cross-mode miss counts")
+    flag("--base-index-entries", "200000", "bound of the base-key index behind cross-mode miss counts")
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")
