@@ -625,7 +625,7 @@ def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     quick: bool = args.quick
-    repeats: int = args.repeats or (3 if quick else 5)
+    repeats: int = args.repeats or (3 if quick else 7)
     volume = (48 if quick else 128) * MiB
     lookups_per_repeat = 20 if quick else 60
     started = time.time()
@@ -766,12 +766,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     one = Plan(p1.value_size, p1.batch_items, 1)
                     counter = iter(range(10**9))
 
+                    recent: collections.deque[str] = collections.deque(maxlen=8)
+
                     def put_work() -> None:
-                        for r in kv.put_batches(one, pools[MiB], f"profile/{next(counter)}"):
+                        recent.append(f"profile/{next(counter)}")
+                        for r in kv.put_batches(one, pools[MiB], recent[-1]):
                             kv.put_call(r, one.batch_bytes)()
 
-                    def get_work() -> None:
-                        for g in kv.get_batches(one, f"r0/{p1.value_size // KiB}KiB"):
+                    def get_work() -> None:  # reads the latest profile puts: older ones may be evicted
+                        recent.rotate(1)
+                        for g in kv.get_batches(one, recent[0]):
                             kv.get_call(g)()
 
                     def lookup_work() -> None:
@@ -901,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller volumes and 3 repeats (under ~30 s)")
-    parser.add_argument("--repeats", type=int, default=0, help="repeats (default 5, --quick 3)")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats (default 7, --quick 3)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     parser.add_argument("--capacity", default="4GiB", help="kvtag-store --capacity")
     parser.add_argument("--workers", type=int, default=16, help="gRPC worker threads of both servers")
