@@ -1,0 +1,53 @@
+"""The --mooncake-* flags, their KVTAG_MOONCAKE_* variables and the JSON config file, in that order."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from kvtag_store.backends import mooncake_options
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    mooncake_options.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flag_beats_environment_beats_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"master": "10.0.0.1:1", "local-buffer": "1GB", "protocol": "rdma"}))
+    monkeypatch.setenv("KVTAG_MOONCAKE_CONFIG", str(config))
+    monkeypatch.setenv("KVTAG_MOONCAKE_LOCAL_BUFFER", "128MB")
+    settings = mooncake_options.settings_from(parse(["--mooncake-master", "127.0.0.1:50051"]))
+    assert settings.master == "127.0.0.1:50051"
+    assert settings.local_buffer_bytes == 128 << 20
+    assert settings.protocol == "rdma"
+    assert settings.metrics == "127.0.0.1:9003"
+    assert settings.segment_bytes == 0
+
+
+def test_missing_master_is_an_error_naming_every_way_to_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTAG_MOONCAKE_MASTER", raising=False)
+    monkeypatch.delenv("KVTAG_MOONCAKE_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="KVTAG_MOONCAKE_MASTER"):
+        mooncake_options.settings_from(parse([]))
+
+
+def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({"master": "h:1", "segment": "1GB"}))
+    with pytest.raises(ValueError, match="segment"):
+        mooncake_options.resolve(parse(["--mooncake-config", str(config)]))
+
+
+@pytest.mark.parametrize(("text", "size"), [("64MB", 64 << 20), ("1GiB", 1 << 30), ("4096", 4096)])
+def test_sizes_parse_with_binary_units(text: str, size: int) -> None:
+    assert mooncake_options.parse_size(text) == size
+
+
+def test_malformed_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        mooncake_options.parse_size("lots")
