@@ -309,6 +309,18 @@ class Engine:
         return next(c for c in self.worker._connectors if isinstance(c, KvtagConnector))
 
     def add(self, req_id: str, prompt: Sequence[int], max_tokens: int = 4, **kwargs: Any) -> Request:
+        request = self.make_request(req_id, prompt, max_tokens, **kwargs)
+        self.requests[req_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def external_hit(self, req_id: str, prompt: Sequence[int]) -> int:
+        """What the connector reports for a prompt with no local hit, without scheduling it."""
+        hit, _ = self.connector.get_num_new_matched_tokens(self.make_request(req_id, prompt, 1), 0)
+        assert hit is not None
+        return hit
+
+    def make_request(self, req_id: str, prompt: Sequence[int], max_tokens: int = 4, **kwargs: Any) -> Request:
         init_none_hash(sha256)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         request = Request(
@@ -319,8 +331,6 @@ class Engine:
             block_hasher=get_request_block_hasher(self.hash_block_size, sha256),
             **kwargs,
         )
-        self.requests[req_id] = request
-        self.scheduler.add_request(request)
         return request
 
     def track_blocks(self, req_id: str) -> None:

@@ -68,7 +68,7 @@ def test_reported_hit_is_what_the_real_scheduler_schedules(
     writer.run()
     writer.drain_saves()
     reader = make_engine(store.endpoint, eagle=True)
-    request = reader.add("r", prompt + [7, 8, 9], max_tokens=1)
+    request = reader.add("r", [*prompt, 7, 8, 9], max_tokens=1)
     out = reader.step()
     assert out.num_scheduled_tokens["r"] == len(prompt) + 3 - 3 * B
     assert request.num_computed_tokens == len(prompt) + 3

@@ -34,7 +34,10 @@ def test_follow_up_gets_the_full_hybrid_hit_at_the_prompt_boundary(
     while not writer.requests["a"].is_finished():
         writer.step()
         handed_off.extend(
-            (t.group, t.block_id, 0) for job in writer.step_log[-1]["meta"].saves if job.after_forward for t in job.blocks
+            (t.group, t.block_id, 0)
+            for job in writer.step_log[-1]["meta"].saves
+            if job.after_forward
+            for t in job.blocks
         )
     request = writer.requests["a"]
     # The state at finish is the state after the prompt: nothing past the prompt was computed...

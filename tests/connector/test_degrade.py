@@ -1,0 +1,85 @@
+"""Issue 3 item 9: an unreachable, stalled or restarted store degrades to misses; requests never fail."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from vllm.v1.request import RequestStatus
+
+from .harness import Engine, assert_scheduler_empty
+from .store_process import StoreProcess
+from .test_hit_length import B, fresh_prompt
+
+FAST = {"rpc_timeout_ms": 300, "reconnect_interval_ms": 200}
+
+
+def serve(engine: Engine, req_id: str, prompt: list[int]) -> tuple[int, float]:
+    """Run one request to completion; return its external hit tokens and the first step's duration."""
+    request = engine.add(req_id, prompt, max_tokens=2)
+    started = time.monotonic()
+    engine.step()
+    first_step = time.monotonic() - started
+    hit = engine.connector.stats.totals["hit_tokens"]
+    engine.run()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED, "the request must finish normally"
+    return hit, first_step
+
+
+def test_stalled_store_degrades_to_misses_within_the_deadline_and_recovers(
+    make_engine: Callable[..., Engine], start_store: Callable[..., StoreProcess]
+) -> None:
+    store = start_store()
+    writer = make_engine(store.endpoint, extra={**FAST, "engine_id": "degrade-w"})
+    prompt = fresh_prompt(3 * B + 3)
+    serve(writer, "w", prompt)
+    writer.drain_saves()
+
+    engine = make_engine(store.endpoint, extra={**FAST, "engine_id": "degrade-r"})
+    store.pause()  # SIGSTOP: connections stay open, nothing answers
+    try:
+        hit, first_step = serve(engine, "stalled", fresh_prompt(2 * B) + prompt)
+        assert hit == 0
+        assert first_step < 3.0, f"a lookup against a stalled store took {first_step:.2f}s"
+        engine.drain_saves(timeout=30)
+        worker_totals = engine.worker_connector.stats.totals
+        assert worker_totals["dropped_saves"] > 0, "saves during the stall are dropped and counted"
+    finally:
+        store.resume()
+    assert_scheduler_empty(engine.scheduler)
+
+    # The same engine reconnects on its own once the store answers again.
+    deadline = time.monotonic() + 15
+    hit = 0
+    attempt = 0
+    while hit == 0 and time.monotonic() < deadline:
+        attempt += 1
+        hit = engine.external_hit(f"again-{attempt}", [*prompt, 1, 2])
+        time.sleep(0.2)
+    assert hit == 3 * B, "after the store answers again, lookups hit"
+
+
+def test_restarted_store_is_reconnected_and_used_again(
+    make_engine: Callable[..., Engine], start_store: Callable[..., StoreProcess]
+) -> None:
+    store = start_store()
+    port = store.port
+    engine = make_engine(store.endpoint, extra={**FAST, "engine_id": "restart"})
+    serve(engine, "first", fresh_prompt(2 * B + 1))
+    engine.drain_saves()
+    store.stop()
+    hit, first_step = serve(engine, "down", fresh_prompt(2 * B + 1))
+    assert hit == 0 and first_step < 3.0
+    store2 = start_store(port=port)  # empty: a restart without persistence loses everything
+    assert store2.endpoint == store.endpoint
+    prompt = fresh_prompt(2 * B + 1)
+    deadline = time.monotonic() + 15
+    saved_before = engine.worker_connector.stats.totals["saved_blocks"]
+    while time.monotonic() < deadline:
+        serve(engine, f"up-{time.monotonic()}", prompt)
+        engine.drain_saves()
+        if engine.worker_connector.stats.totals["saved_blocks"] > saved_before:
+            break
+        time.sleep(0.2)
+    assert engine.worker_connector.stats.totals["saved_blocks"] > saved_before, "saves resume after restart"
+    assert engine.external_hit("hit-after-restart", prompt) == 2 * B
