@@ -1,0 +1,111 @@
+"""Issue 3 item 2: block keys (canonical known-answer vectors, key_scheme=vllm), extras, unencodable requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
+from vllm.v1.request import RequestStatus
+
+from kvtag_client.connector.namespace import Geometry, vllm_probe_keys
+from kvtag_client.connector.tracking import RequestKeys
+
+from .harness import Engine, assert_scheduler_empty
+from .store_process import StoreProcess
+from .test_hit_length import B, fresh_prompt
+
+VECTORS = json.loads((Path(__file__).resolve().parents[2] / "docs" / "canonical-key-vectors.json").read_text())
+
+
+def vector_request(engine: Engine, vector: dict[str, Any]) -> Any:
+    extras = vector["extras"]
+    kwargs: dict[str, Any] = {}
+    if extras["lora_name"] is not None:
+        kwargs["lora_request"] = LoRARequest(extras["lora_name"], 1, "/nonexistent")
+    if extras["cache_salt"] is not None:
+        kwargs["cache_salt"] = extras["cache_salt"]
+    if extras["mm_items"]:
+        kwargs["mm_features"] = [
+            MultiModalFeatureSpec(
+                data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=off, length=n)
+            )
+            for ident, off, n in extras["mm_items"]
+        ]
+    return engine.make_request("v", vector["token_ids"], 1, **kwargs)
+
+
+@pytest.mark.parametrize("vector", VECTORS["vectors"], ids=[v["name"] for v in VECTORS["vectors"]])
+def test_connector_keys_match_the_published_canonical_vectors(
+    make_engine: Callable[..., Engine], store: StoreProcess, vector: dict[str, Any]
+) -> None:
+    engine = make_engine(store.endpoint)
+    h = vector["hash_block_size"]
+    keys = RequestKeys(vector_request(engine, vector), Geometry(h, h), vector["lookahead_tokens"], "canonical")
+    keys.refresh()
+    assert keys.encodable
+    got = [keys.key(j).hex() for j in range(keys.num_keyed_blocks())]
+    assert got == vector["keys"]
+
+
+def test_vllm_scheme_uses_the_engine_block_hashes(make_engine: Callable[..., Engine], store: StoreProcess) -> None:
+    engine = make_engine(store.endpoint, eagle=True, extra={"key_scheme": "vllm", "engine_id": "vllm-scheme"})
+    assert engine.connector.lookahead_tokens == 1
+    prompt = fresh_prompt(3 * B + 2)
+    request = engine.make_request("v", prompt, 1)
+    keys = RequestKeys(request, Geometry(B, B), 1, "vllm")
+    keys.refresh()
+    assert keys.num_keyed_blocks() == 3
+    for j in range(3):
+        assert keys.base_key(j) == bytes(request.block_hashes[j])
+        assert keys.key(j).startswith(bytes(request.block_hashes[j])), "the engine's hash, then the successor"
+        assert keys.key(j) != keys.base_key(j)
+    # The probe keys are the engine's own chain over the probe tokens from its NONE_HASH.
+    probe = engine.connector.probe_keys()
+    assert probe == vllm_probe_keys(engine.vc, B, 1)
+    assert probe[0].startswith(bytes(hash_block_tokens(_sha256(), None, list(_probe_tokens(B, 1))[:B], None)))
+
+
+def _sha256() -> Any:
+    from vllm.utils.hashing import sha256
+
+    return sha256
+
+
+def _probe_tokens(h: int, la: int) -> list[int]:
+    from kvtag_proto.ids import probe_tokens
+
+    return probe_tokens(h, la)
+
+
+def test_cache_salt_separates_hits(make_engine: Callable[..., Engine], store: StoreProcess) -> None:
+    writer = make_engine(store.endpoint)
+    prompt = fresh_prompt(2 * B + 3)
+    writer.add("salted", prompt, max_tokens=2, cache_salt="tenant-a")
+    writer.run()
+    writer.drain_saves()
+    reader = make_engine(store.endpoint)
+    same = reader.connector.get_num_new_matched_tokens(reader.make_request("s1", prompt, 1, cache_salt="tenant-a"), 0)
+    other = reader.connector.get_num_new_matched_tokens(reader.make_request("s2", prompt, 1, cache_salt="tenant-b"), 0)
+    unsalted = reader.external_hit("s3", prompt)
+    assert same[0] == 2 * B
+    assert other[0] == 0 and unsalted == 0
+
+
+def test_unencodable_request_is_neither_stored_nor_loaded_and_is_counted(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    engine = make_engine(store.endpoint)
+    # A lone surrogate has no UTF-8 encoding: the canonical scheme cannot key this request.
+    request = engine.add("bad", fresh_prompt(3 * B), max_tokens=2, cache_salt="tenant-\udcff")
+    engine.run()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert engine.connector.stats.totals["unencodable_requests"] == 1
+    assert engine.connector.stats.totals["lookups"] == 0
+    assert not any(job.blocks for entry in engine.step_log for job in entry["meta"].saves)
+    assert_scheduler_empty(engine.scheduler)
