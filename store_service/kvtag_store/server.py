@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
@@ -21,8 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvtag.v1 import store_pb2 as pb
-from kvtag.v1 import store_pb2_grpc
 
+from kvtag_store import wire
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.config import ServiceConfig
 from kvtag_store.metrics import StoreMetrics
@@ -31,6 +32,38 @@ from kvtag_store.service import KvStoreService
 log = logging.getLogger("kvtag_store.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvStore"].full_name
+
+
+def kvstore_handlers(service: KvStoreService) -> grpc.GenericRpcHandler:
+    """The KvStore method table. Generated serializers everywhere except the hot paths of
+    kvtag_store.wire: Lookup and Put requests, Get and GetStream responses."""
+    out = wire.serialize_response
+
+    def unary(method: Callable[..., object], parse: Callable[[bytes], object]) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            method, request_deserializer=parse, response_serializer=out
+        )
+
+    handlers = {
+        "OpenSession": unary(service.OpenSession, pb.OpenSessionRequest.FromString),
+        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest.FromString),
+        "CloseSession": unary(service.CloseSession, pb.CloseSessionRequest.FromString),
+        "Lookup": unary(service.Lookup, wire.parse_lookup),
+        "Put": unary(service.Put, wire.parse_put),
+        "PutStream": grpc.stream_unary_rpc_method_handler(
+            service.PutStream, request_deserializer=wire.parse_put, response_serializer=out
+        ),
+        "Get": unary(service.Get, pb.GetRequest.FromString),
+        "GetStream": grpc.unary_stream_rpc_method_handler(
+            service.GetStream, request_deserializer=pb.GetRequest.FromString, response_serializer=out
+        ),
+        "ReleaseLeases": unary(service.ReleaseLeases, pb.ReleaseLeasesRequest.FromString),
+        "Diagnose": unary(service.Diagnose, pb.DiagnoseRequest.FromString),
+        "GetStats": unary(service.GetStats, pb.GetStatsRequest.FromString),
+    }
+    missing = set(pb.DESCRIPTOR.services_by_name["KvStore"].methods_by_name) - set(handlers)
+    assert not missing, f"KvStore methods without a handler: {missing}"
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 @dataclass
@@ -76,7 +109,7 @@ def start_server(
     )
     metrics = StoreMetrics()
     service = KvStoreService(backend, census_store, config, metrics)
-    store_pb2_grpc.add_KvStoreServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    server.add_generic_rpc_handlers((kvstore_handlers(service),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

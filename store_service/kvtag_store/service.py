@@ -8,13 +8,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from kvtag_store import errors, validation
+from kvtag_store import errors, validation, wire
 from kvtag_store.backends.base import (
     BackendUnavailable,
     BlockAddress,
@@ -24,6 +25,7 @@ from kvtag_store.backends.base import (
     KeyStatus,
     PutOutcome,
     PutResult,
+    ReadResult,
 )
 from kvtag_store.census import Census
 from kvtag_store.config import ServiceConfig
@@ -39,6 +41,7 @@ STREAM_MESSAGE_BYTES = (4 << 20) - (64 << 10)
 _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 
 R = TypeVar("R")
+_GROUP_KEY = attrgetter("group", "key")
 
 
 def rpc(method: Callable[..., R]) -> Callable[..., R]:
@@ -193,16 +196,20 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     # -- data ---------------------------------------------------------------
 
     @rpc
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(
+        self, request: wire.LookupBatch | pb.LookupRequest, context: grpc.ServicerContext
+    ) -> pb.LookupResponse:
+        if isinstance(request, pb.LookupRequest):
+            request = wire.lookup_from_message(request)
         session = self._session(request.session_id)
-        addresses = validation.addresses(request.blocks, "blocks", self.limits)
+        addresses = validation.addresses(request.addresses, "blocks", self.limits)
         ns_id, mode_id = session.namespace_id, session.mode_id
         statuses = self.backend.lookup(ns_id, mode_id, addresses)
         hits = statuses.count(_HIT)
         mismatches = statuses.count(_MISMATCH)
         misses = len(statuses) - hits - mismatches
         prefix = _prefix_length(statuses, misses, mismatches)
-        cross = self._cross_mode_misses(session, request.blocks, statuses) if misses else None
+        cross = self._cross_mode_misses(session, request, statuses) if misses else None
         response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
         if hits:
             hit_addresses = (
@@ -222,15 +229,14 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return response
 
     def _cross_mode_misses(
-        self, session: Session, blocks: Any, statuses: list[KeyStatus]
+        self, session: Session, request: wire.LookupBatch, statuses: list[KeyStatus]
     ) -> Counter[str] | None:
         """Misses another mode holds, by base key. Clients send base keys for all items or none, so the
         first miss tells whether to look (reading base_key of every item would double Lookup's cost)."""
         missed = [i for i, s in enumerate(statuses) if s == _MISS]
-        if not blocks[missed[0]].base_key:
+        items = request.base_keys(missed)
+        if not items:
             return None
-        items = [(blocks[i].group, blocks[i].base_key) for i in missed]
-        items = [item for item in items if item[1]]
         return self.base_index.other_holders(session.namespace_id, session.mode_id, items) or None
 
     @staticmethod
@@ -242,15 +248,16 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if mismatches:
             counter.labels(KEY_STATUS_NAMES[pb.MODE_MISMATCH]).inc(mismatches)
 
-    def _put_items(self, session: Session, items: Iterable[pb.PutItem], results: list[pb.PutResult]) -> None:
+    def _put_items(
+        self, session: Session, items: Iterable[wire.PutItemView], results: list[pb.PutResult]
+    ) -> None:
         ns_id, mode_id = session.namespace_id, session.mode_id
         outcomes: Counter[int] = Counter()
         base_keys: list[tuple[int, bytes]] = []
         stored_bytes = 0
         for item in items:
-            block = item.block
-            group, key = block.group, block.key
-            payload = item.WhichOneof("payload")
+            group, key = item.group, item.key
+            payload = item.payload
             if payload == "value":
                 value = item.value
                 result = self.backend.put(ns_id, mode_id, (group, BlockKey(key)), value)
@@ -264,8 +271,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             else:
                 result = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
             outcomes[result.outcome] += 1
-            if block.base_key and result.outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
-                base_keys.append((group, block.base_key))
+            if item.base_key and result.outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
+                base_keys.append((group, item.base_key))
             results.append(pb.PutResult(status=result.outcome, reason=result.reason))  # type: ignore[arg-type]
         if base_keys:
             self.base_index.record(ns_id, mode_id, base_keys)
@@ -277,13 +284,15 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if stored_bytes:
             self.metrics.put_bytes.inc(stored_bytes)
 
-    def _check_put_keys(self, items: Any) -> None:
+    def _check_put_keys(self, items: list[wire.PutItemView]) -> None:
         validation.batch_size("items", len(items), self.limits)
         for index, item in enumerate(items):
-            validation.key(item.block.key, f"items[{index}].block.key", self.limits)
+            validation.key(item.key, f"items[{index}].block.key", self.limits)
 
     @rpc
-    def Put(self, request: pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+    def Put(self, request: wire.PutBatch | pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        if isinstance(request, pb.PutRequest):
+            request = wire.put_from_message(request)
         session = self._session(request.session_id)
         self._check_put_keys(request.items)
         response = pb.PutResponse()
@@ -294,11 +303,12 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc
     def PutStream(
-        self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext
+        self, request_iterator: Iterator[wire.PutBatch | pb.PutRequest], context: grpc.ServicerContext
     ) -> pb.PutResponse:
         session: Session | None = None
         results: list[pb.PutResult] = []
-        for request in request_iterator:
+        for message in request_iterator:
+            request = wire.put_from_message(message) if isinstance(message, pb.PutRequest) else message
             if session is None:
                 session = self._session(request.session_id)
             elif request.session_id and request.session_id != session.session_id:
@@ -320,7 +330,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     def _read(self, request: pb.GetRequest) -> tuple[Session, list[BlockAddress], list[Any]]:
         session = self._session(request.session_id)
-        addresses = validation.addresses(request.blocks, "blocks", self.limits)
+        addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         results = self.backend.get(session.namespace_id, session.mode_id, addresses)
         if request.lease_id:
             self._unpin(self.sessions.release(session, [request.lease_id]))
@@ -332,20 +342,14 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return session, addresses, results
 
     @rpc
-    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
+        """Returns the encoded GetResponse (wire.encode_get_results): values are copied once."""
         _, _, results = self._read(request)
-        served = 0
-        out = []
-        for r in results:
-            if r.value is not None:
-                served += len(r.value)
-                out.append(pb.GetResult(status=r.status, value=r.value))
-            else:
-                out.append(pb.GetResult(status=r.status))
-        self.metrics.get_bytes.inc(served)
-        return pb.GetResponse(results=out)
+        self.metrics.get_bytes.inc(sum(len(r.value) for r in results if r.value is not None))
+        return wire.encode_get_results(results)
 
-    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Yields encoded GetResponse messages of at most ~4 MiB each, results in request order."""
         started = time.perf_counter()
         try:
             _, _, results = self._read(request)
@@ -361,22 +365,19 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         # Messages stay under gRPC's default 4 MiB receive limit so any client can read the stream;
         # only a single value larger than that needs a client that raised its limit (Limits says how far).
         budget = min(self.limits.max_message_bytes - MESSAGE_OVERHEAD, STREAM_MESSAGE_BYTES)
-        chunk: list[pb.GetResult] = []
+        chunk: list[ReadResult] = []
         size = 0
         served = 0
         for r in results:
             length = len(r.value) if r.value is not None else 0
             if chunk and size + length > budget:
-                yield pb.GetResponse(results=chunk)
+                yield wire.encode_get_results(chunk)
                 chunk, size = [], 0
-            if r.value is not None:
-                chunk.append(pb.GetResult(status=r.status, value=r.value))
-            else:
-                chunk.append(pb.GetResult(status=r.status))
+            chunk.append(r)
             size += length + 16
             served += length
         if chunk or not results:
-            yield pb.GetResponse(results=chunk)
+            yield wire.encode_get_results(chunk)
         self.metrics.get_bytes.inc(served)
 
     @rpc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 from kvtag.v1 import store_pb2 as pb
 
@@ -20,7 +20,6 @@ MAX_ID = 256
 
 _REQUIRED_NS = ("model_name", "weights_fingerprint", "kv_dtype", "kv_layout", "parallel_sharding")
 _REQUIRED_MODE = ("key_scheme", "scheme_version", "hash_algorithm")
-_ADDRESS = attrgetter("group", "key")
 _KEY = itemgetter(1)
 _KNOWN_DATA_PATHS = {pb.DATA_PATH_INLINE, pb.DATA_PATH_SHARED_MEMORY}
 
@@ -103,11 +102,10 @@ def batch_size(field: str, count: int, limits: ServiceLimits) -> None:
         raise errors.batch_too_large(field, count, limits.max_batch_items)
 
 
-def addresses(blocks: Sequence[pb.BlockRef], field: str, limits: ServiceLimits) -> list[BlockAddress]:
-    """(group, key) per block, checked. One C-level pass builds the tuples; lengths are checked in bulk
-    and the offending item is searched for only on failure."""
-    batch_size(field, len(blocks), limits)
-    result: list[BlockAddress] = list(map(_ADDRESS, blocks))
+def addresses(result: list[BlockAddress], field: str, limits: ServiceLimits) -> list[BlockAddress]:
+    """Check a batch of (group, key): lengths are checked in bulk (C-level map/min/max) and the
+    offending item is searched for only on failure."""
+    batch_size(field, len(result), limits)
     if result:
         lengths = list(map(len, map(_KEY, result)))
         if min(lengths) == 0:

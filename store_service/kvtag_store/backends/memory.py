@@ -175,25 +175,29 @@ class MemoryBackend:
     # -- reads --------------------------------------------------------------
 
     def _find(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], touch: bool
     ) -> tuple[list[KeyStatus], list[_Entry | None]]:
-        """Statuses by tag, and the same-mode entry (or None) per address. Caller holds the lock."""
+        """Statuses by tag, and the same-mode entry (or None) per address; `touch` marks the hits as
+        recently used. Caller holds the lock."""
         ns = self._namespaces.get(namespace_id)
         if ns is None:
             return [_MISS] * len(addresses), [None] * len(addresses)
         mode_entries = ns.by_mode.get(mode_id, {})
         found = list(map(mode_entries.get, addresses))
-        if None not in found:
+        all_hit = None not in found
+        if all_hit:
             statuses = [_HIT] * len(found)
-            hit_addresses: Sequence[BlockAddress] = addresses
         else:
             entries = ns.entries
             statuses = [
                 _HIT if e is not None else (_MISMATCH if a in entries else _MISS)
                 for e, a in zip(found, addresses, strict=True)
             ]
-            hit_addresses = [a for e, a in zip(found, addresses, strict=True) if e is not None]
-        deque(map(self._lru.move_to_end, zip(repeat(namespace_id), hit_addresses)), maxlen=0)
+        if touch:
+            hits = (
+                addresses if all_hit else [a for e, a in zip(found, addresses, strict=True) if e is not None]
+            )
+            deque(map(self._lru.move_to_end, zip(repeat(namespace_id), hits)), maxlen=0)
         return statuses, found
 
     def _verify(
@@ -221,14 +225,16 @@ class MemoryBackend:
                     self._corrupted += 1
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
+        """Recency is not refreshed here: a Lookup is a probe, and its hits are pinned by the lease
+        the service takes anyway; the Get that loads them refreshes them."""
         with self._lock:
-            statuses, found = self._find(namespace_id, mode_id, addresses)
+            statuses, found = self._find(namespace_id, mode_id, addresses, touch=False)
         self._verify(namespace_id, addresses, statuses, found)
         return statuses
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         with self._lock:
-            statuses, found = self._find(namespace_id, mode_id, addresses)
+            statuses, found = self._find(namespace_id, mode_id, addresses, touch=True)
         self._verify(namespace_id, addresses, statuses, found)
         return [
             ReadResult(status, entry.value if entry is not None else None)
