@@ -58,6 +58,9 @@ def rpc(method: Callable[..., R]) -> Callable[..., R]:
             failure = exc
         except BackendUnavailable as exc:
             failure = errors.backend_unavailable(str(exc))
+        except Exception:  # a bug: log it with the stack; gRPC answers UNKNOWN
+            log.exception("%s failed unexpectedly", name, extra={"rpc": name})
+            raise
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
         self.metrics.rpc_errors.labels(name, failure.reason).inc()

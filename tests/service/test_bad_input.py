@@ -196,7 +196,7 @@ def test_any_put_gets_per_item_results_or_a_documented_refusal(
 @EXAMPLES
 @given(
     session_id=st.text(max_size=80),
-    rpc=st.sampled_from(["Heartbeat", "Lookup", "Get", "Put", "ReleaseLeases"]),
+    rpc=st.sampled_from(["Heartbeat", "Lookup", "Get", "GetStream", "Put", "ReleaseLeases"]),
 )
 def test_unknown_or_empty_session_ids_are_documented_refusals(
     target: Target, session_id: str, rpc: str
@@ -207,8 +207,12 @@ def test_unknown_or_empty_session_ids_are_documented_refusals(
         "Get": pb.GetRequest(session_id=session_id, blocks=[pb.BlockRef(key=b"k")]),
         "Put": pb.PutRequest(session_id=session_id),
         "ReleaseLeases": pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=["l-x"]),
+        "GetStream": pb.GetRequest(session_id=session_id, blocks=[pb.BlockRef(key=b"k")]),
     }
-    reason = assert_documented(lambda: getattr(target.stub, rpc)(requests[rpc], timeout=5))
+    if rpc == "GetStream":
+        reason = assert_documented(lambda: list(target.stub.GetStream(requests[rpc], timeout=5)))
+    else:
+        reason = assert_documented(lambda: getattr(target.stub, rpc)(requests[rpc], timeout=5))
     assert reason == ("INVALID_REQUEST" if not session_id else "SESSION_NOT_FOUND")
     assert_alive(target)
 
@@ -231,3 +235,19 @@ def test_docs_list_every_reason_with_its_code() -> None:
     for reason, code in DOCUMENTED.items():
         row = re.search(rf"^\|\s*`{reason}`\s*\|\s*`?{code.name}`?\s*\|", table, re.MULTILINE)
         assert row, f"docs/errors.md has no row for {reason} with {code.name}"
+
+
+def test_put_stream_with_no_message_or_two_sessions_is_an_invalid_request(target: Target) -> None:
+    assert assert_documented(lambda: target.stub.PutStream(iter([]), timeout=5)) == "INVALID_REQUEST"
+    two_sessions = [
+        pb.PutRequest(
+            session_id=target.session_id, items=[pb.PutItem(block=pb.BlockRef(key=b"a"), value=b"1")]
+        ),
+        pb.PutRequest(
+            session_id="s-someone-else", items=[pb.PutItem(block=pb.BlockRef(key=b"b"), value=b"2")]
+        ),
+    ]
+    assert (
+        assert_documented(lambda: target.stub.PutStream(iter(two_sessions), timeout=5)) == "INVALID_REQUEST"
+    )
+    assert_alive(target)
