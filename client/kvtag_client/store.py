@@ -314,13 +314,17 @@ class StoreClient:
             first, self._outage_logged = not self._outage_logged, True
         self._wake.set()  # the heartbeat thread switches to the reconnect period
         if first:
-            reason = err.details() if isinstance(err, grpc.Call) else str(err)
+            what = code.name
+            detail = parse_error(err) if isinstance(err, grpc.RpcError) else None
+            if detail is not None and detail.reason:
+                what += "/" + detail.reason
+            message = err.details() if isinstance(err, grpc.Call) else str(err)
             log.warning(
                 "kvtag store %s is not answering (%s: %s); lookups report misses and saves are dropped "
                 "until it returns (retrying every %.1f s)",
                 self.endpoint,
-                code.name,
-                reason,
+                what,
+                message,
                 self.reconnect_interval_s,
             )
 
