@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -292,6 +293,8 @@ class Engine:
         self.step_log: list[dict[str, Any]] = []
         # req_id -> {block_id: index in the request's group-0 block table}, for tracked requests.
         self.block_index: dict[str, dict[int, int]] = {}
+        # No attention layers run here: a sibling connector (ExampleConnector) finds nothing to inject.
+        self.forward_context = SimpleNamespace(attn_metadata={}, no_compile_layers={})
         # Called after the target forward (and a post-forward start_load_kv), before the drafter's.
         self.between_forwards: Callable[[Any], None] | None = None
 
@@ -362,10 +365,10 @@ class Engine:
         w = self.worker
         w.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
-            w.start_load_kv(None)
+            w.start_load_kv(self.forward_context)
         self._forward(out, 0, samples)
         if not out.has_sync_kv_loads:
-            w.start_load_kv(None)
+            w.start_load_kv(self.forward_context)
         if self.between_forwards is not None:
             self.between_forwards(out)
         self._forward(out, 1, samples)
