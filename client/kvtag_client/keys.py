@@ -7,6 +7,7 @@ wire as-is, and bytes avoid per-key object overhead in the connector's hot path.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -58,6 +59,8 @@ class _Encoded:
 
     root: bytes
     mm_items: tuple[_MMItem, ...]  # sorted by (offset, length, utf8(identifier))
+    mm_offsets: tuple[int, ...]  # mm_items' offsets, for bisection
+    mm_max_length: int
 
 
 def _u32(value: int) -> bytes:
@@ -129,6 +132,8 @@ def _encode_extras(hash_block_size: int, extras: ExtraKeys | None) -> _Encoded:
     return _Encoded(
         root=hashlib.sha256(root_input).digest(),
         mm_items=tuple(_MMItem(offset=o, length=s, encoded=e) for o, s, _, e in items),
+        mm_offsets=tuple(it[0] for it in items),
+        mm_max_length=max((it[1] for it in items), default=0),
     )
 
 
@@ -137,11 +142,14 @@ def check_extra_keys(extras: ExtraKeys) -> None:
     _encode_extras(1, extras)
 
 
-def _mm_list(items: tuple[_MMItem, ...], start: int, end: int) -> bytes:
+def _mm_list(encoded: _Encoded, start: int, end: int) -> bytes:
     """u32(count) || encoded items overlapping token range [start, end), in canonical order."""
-    if start >= end:
+    if start >= end or not encoded.mm_items:
         return _u32(0)
-    hits = [it.encoded for it in items if it.offset < end and it.end > start]
+    # Only items starting in (start - longest item, end) can overlap: bisect instead of scanning all.
+    lo = bisect.bisect_right(encoded.mm_offsets, start - encoded.mm_max_length)
+    hi = bisect.bisect_left(encoded.mm_offsets, end)
+    hits = [it.encoded for it in encoded.mm_items[lo:hi] if it.end > start]
     return _u32(len(hits)) + b"".join(hits)
 
 
@@ -180,11 +188,9 @@ def block_keys(
     chain = encoded.root
     for i in range(count):
         start, end = i * h, (i + 1) * h
-        chain = _chain_step(chain, _pack_tokens(token_ids[start:end]), _mm_list(encoded.mm_items, start, end))
+        chain = _chain_step(chain, _pack_tokens(token_ids[start:end]), _mm_list(encoded, start, end))
         keys.append(
-            _finalize(
-                chain, la, _pack_tokens(token_ids[end : end + la]), _mm_list(encoded.mm_items, end, end + la)
-            )
+            _finalize(chain, la, _pack_tokens(token_ids[end : end + la]), _mm_list(encoded, end, end + la))
         )
     return keys
 
@@ -231,21 +237,21 @@ class KeyChain:
         _pack_tokens(token_ids)  # validate before any state changes
         self._tail.extend(token_ids)
         self._num_tokens += len(token_ids)
-        h, la, items = self.hash_block_size, self.lookahead_tokens, self._encoded.mm_items
+        h, la, encoded = self.hash_block_size, self.lookahead_tokens, self._encoded
         while self._num_tokens >= (len(self._base_keys) + 1) * h:
             i = len(self._base_keys)
             start, end = i * h, (i + 1) * h
             parent = self._chain[-1] if self._chain else self._encoded.root
-            value = _chain_step(parent, self._slice(start, end), _mm_list(items, start, end))
+            value = _chain_step(parent, self._slice(start, end), _mm_list(encoded, start, end))
             self._chain.append(value)
-            self._base_keys.append(_finalize(value, 0, b"", _mm_list(items, end, end)))
+            self._base_keys.append(_finalize(value, 0, b"", _mm_list(encoded, end, end)))
         if la > 0:
             while self._num_tokens >= (len(self._keys) + 1) * h + la:
                 i = len(self._keys)
                 end = (i + 1) * h
                 value = self._chain[i - self._chain_offset]
                 self._keys.append(
-                    _finalize(value, la, self._slice(end, end + la), _mm_list(items, end, end + la))
+                    _finalize(value, la, self._slice(end, end + la), _mm_list(encoded, end, end + la))
                 )
         self._trim()
 
