@@ -205,7 +205,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if isinstance(request, pb.LookupRequest):
             request = wire.lookup_from_message(request)
         session = self._session(request.session_id)
-        addresses = validation.addresses(request.addresses, "blocks", self.limits)
+        addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
         ns_id, mode_id = session.namespace_id, session.mode_id
         statuses = self.backend.lookup(ns_id, mode_id, addresses)
         hits = statuses.count(_HIT)

@@ -102,10 +102,15 @@ def batch_size(field: str, count: int, limits: ServiceLimits) -> None:
         raise errors.batch_too_large(field, count, limits.max_batch_items)
 
 
-def addresses(result: list[BlockAddress], field: str, limits: ServiceLimits) -> list[BlockAddress]:
+def addresses(
+    result: list[BlockAddress], field: str, limits: ServiceLimits, key_length: int = 0
+) -> list[BlockAddress]:
     """Check a batch of (group, key): lengths are checked in bulk (C-level map/min/max) and the
-    offending item is searched for only on failure."""
+    offending item is searched for only on failure. `key_length` > 0 vouches that every key has
+    that length (the Lookup fast path proved it while parsing)."""
     batch_size(field, len(result), limits)
+    if key_length and key_length <= limits.max_key_bytes:
+        return result
     if result:
         lengths = list(map(len, map(_KEY, result)))
         if min(lengths) == 0:

@@ -6,8 +6,8 @@ bytes field is copied twice (into the arena, then out to a Python bytes).
 That dominates a 4,096-key Lookup and 1 MiB Put/Get. So:
 
 - Lookup requests in the common shape (plain keys of one length, group 0, no
-  base keys, fields in number order) are parsed by one C-level regex over the
-  wire bytes; any other shape falls back to the generated parser.
+  base keys, fields in number order) are checked with strided byte compares
+  and cut by slicing; any other shape falls back to the generated parser.
 - Put requests are walked by hand so each value is copied once; anything
   unexpected (groups, a repeated sub-message, bad UTF-8) falls back.
 - Get responses are encoded by hand around the stored value objects, so the
@@ -19,7 +19,6 @@ hypothesis.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
@@ -84,6 +83,8 @@ class LookupBatch:
     session_id: str
     addresses: list[BlockAddress]
     lease_ms: int
+    # When every key has this length (checked while parsing); 0 when unknown.
+    key_length: int
     # The generated message, when the fallback parsed it (base keys are read from it lazily).
     message: pb.LookupRequest | None
 
@@ -97,21 +98,6 @@ class LookupBatch:
         return [(blocks[i].group, blocks[i].base_key) for i in indexes if blocks[i].base_key]
 
 
-_BLOCK_PATTERNS: dict[int, tuple[re.Pattern[bytes], re.Pattern[bytes]]] = {}
-
-
-def _block_patterns(key_length: int) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
-    """(one BlockRef{key} of this length capturing the key, a run of them). The encoding of one is
-    0x12 (key_length + 2) 0x0a key_length key, both lengths one-byte varints."""
-    patterns = _BLOCK_PATTERNS.get(key_length)
-    if patterns is None:
-        head = re.escape(bytes([0x12, key_length + 2, 0x0A, key_length]))
-        one = re.compile(head + rb"(.{%d})" % key_length, re.DOTALL)
-        run = re.compile(rb"(?:" + head + rb".{%d})+" % key_length, re.DOTALL)
-        patterns = _BLOCK_PATTERNS[key_length] = (one, run)
-    return patterns
-
-
 def parse_lookup(data: bytes) -> LookupBatch:
     try:
         return _parse_lookup_fast(data)
@@ -121,7 +107,7 @@ def parse_lookup(data: bytes) -> LookupBatch:
 
 def lookup_from_message(message: pb.LookupRequest) -> LookupBatch:
     addresses: list[BlockAddress] = list(map(_GROUP_KEY, message.blocks))
-    return LookupBatch(message.session_id, addresses, message.lease_ms, message)
+    return LookupBatch(message.session_id, addresses, message.lease_ms, 0, message)
 
 
 def _parse_lookup_fast(data: bytes) -> LookupBatch:
@@ -137,20 +123,25 @@ def _parse_lookup_fast(data: bytes) -> LookupBatch:
             raise _Irregular from None
         pos += length
     keys: list[bytes] = []
+    key_length = 0
     if data[pos : pos + 1] == b"\x12":
+        # A run of BlockRef{key} of one length K, each encoded 0x12 (K+2) 0x0a K key (one-byte
+        # lengths); checked with strided slices (C-level compares), keys cut by plain slicing.
         if pos + 4 > len(data):
             raise _Irregular
         key_length = data[pos + 3]
-        if not 0 < key_length < 126 or data[pos + 1] != key_length + 2 or data[pos + 2] != 0x0A:
+        if not 0 < key_length < 126:
             raise _Irregular
-        one, run = _block_patterns(key_length)
-        matched = run.match(data, pos)
-        if matched is None:
-            raise _Irregular
-        end = matched.end()
-        keys = one.findall(data, pos, end)
-        if len(keys) * (key_length + 4) != end - pos:
-            raise _Irregular
+        stride = key_length + 4
+        count = (len(data) - pos) // stride
+        if count and data[pos + (count - 1) * stride] != 0x12:
+            count -= 1  # the last stride-sized piece is the lease_ms field, not a block
+        end = pos + count * stride
+        header = (0x12, key_length + 2, 0x0A, key_length)
+        for offset, byte in enumerate(header):
+            if data[pos + offset : end : stride] != bytes((byte,)) * count:
+                raise _Irregular
+        keys = [data[i : i + key_length] for i in range(pos + 4, end, stride)]
         pos = end
     lease_ms = 0
     if data[pos : pos + 1] == b"\x18":
@@ -158,7 +149,8 @@ def _parse_lookup_fast(data: bytes) -> LookupBatch:
         lease_ms &= 0xFFFFFFFF
     if pos != len(data):
         raise _Irregular
-    return LookupBatch(session_id, list(zip(repeat(0), keys)), lease_ms, None)  # type: ignore[arg-type]
+    addresses: list[BlockAddress] = list(zip(repeat(0), keys))  # type: ignore[arg-type]
+    return LookupBatch(session_id, addresses, lease_ms, key_length, None)
 
 
 # -- Put --------------------------------------------------------------------

@@ -55,12 +55,14 @@ _CHECKSUM = attrgetter("checksum")
 class _Namespace:
     """The blocks of one namespace, indexed by address and, for reads, by (mode, address)."""
 
-    __slots__ = ("by_mode", "entries", "used_bytes")
+    __slots__ = ("by_mode", "entries", "pins", "used_bytes")
 
     def __init__(self) -> None:
         self.entries: dict[BlockAddress, _Entry] = {}
         # mode_id -> address -> entry: a read in mode M is one C-level dict lookup per key.
         self.by_mode: dict[str, dict[BlockAddress, _Entry]] = {}
+        # Read leases: pin count per address (Counter.update over the caller's tuples runs in C).
+        self.pins: Counter[BlockAddress] = Counter()
         self.used_bytes = 0
 
 
@@ -83,8 +85,6 @@ class MemoryBackend:
         self._namespaces: dict[str, _Namespace] = {}
         # Every block, least recently used first (pinned ones too: eviction skips them).
         self._lru: OrderedDict[_StoreKey, None] = OrderedDict()
-        # Read leases: pin count per block.
-        self._pinned: Counter[_StoreKey] = Counter()
         self._used = 0
         self._evictions = 0
         self._corrupted = 0
@@ -134,11 +134,11 @@ class MemoryBackend:
     def _pinned_bytes(self) -> int:
         """Bytes held by leases. Caller holds the lock. O(pinned keys): only needed when the store is full."""
         total = 0
-        for ns_id, address in self._pinned:
-            ns = self._namespaces.get(ns_id)
-            entry = ns.entries.get(address) if ns else None
-            if entry is not None:
-                total += len(entry.value)
+        for ns in self._namespaces.values():
+            for address in ns.pins:
+                entry = ns.entries.get(address)
+                if entry is not None:
+                    total += len(entry.value)
         return total
 
     def _make_room(self, size: int) -> bool:
@@ -149,11 +149,11 @@ class MemoryBackend:
         need = self._used + size - self._capacity
         victims: list[_StoreKey] = []
         freed = 0
-        pinned = self._pinned
+        namespaces = self._namespaces
         for store_key in self._lru:
-            if store_key in pinned:
-                continue
             ns_id, address = store_key
+            if address in namespaces[ns_id].pins:
+                continue
             victims.append(store_key)
             freed += len(self._namespaces[ns_id].entries[address].value)
             if freed >= need:
@@ -245,17 +245,22 @@ class MemoryBackend:
 
     def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         with self._lock:
-            self._pinned.update(zip(repeat(namespace_id), addresses))
+            ns = self._namespaces.get(namespace_id)
+            if ns is not None:
+                ns.pins.update(addresses)
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         with self._lock:
-            pinned = self._pinned
-            for store_key in zip(repeat(namespace_id), addresses):
-                count = pinned.get(store_key, 0)
+            ns = self._namespaces.get(namespace_id)
+            if ns is None:
+                return
+            pins = ns.pins
+            for address in addresses:
+                count = pins.get(address, 0)
                 if count > 1:
-                    pinned[store_key] = count - 1
+                    pins[address] = count - 1
                 elif count == 1:
-                    dict.__delitem__(pinned, store_key)  # Counter.__delitem__ is a slow Python method
+                    dict.__delitem__(pins, address)  # Counter.__delitem__ is a slow Python method
 
     # -- reporting ----------------------------------------------------------
 
@@ -267,7 +272,9 @@ class MemoryBackend:
                 used_bytes=self._used,
                 keys=len(self._lru),
                 evictions=self._evictions,
-                leased_keys=sum(1 for key in self._pinned if key in self._lru),
+                leased_keys=sum(
+                    1 for ns in self._namespaces.values() for address in ns.pins if address in ns.entries
+                ),
                 corrupted_dropped=self._corrupted,
                 per_namespace={
                     ns_id: (len(ns.entries), ns.used_bytes)
@@ -280,7 +287,6 @@ class MemoryBackend:
         with self._lock:
             self._namespaces.clear()
             self._lru.clear()
-            self._pinned.clear()
             self._used = 0
 
 
