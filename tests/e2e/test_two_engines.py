@@ -83,6 +83,8 @@ def test_strict_refuses_legacy_engine_which_runs_without_the_store_and_logs_the_
 
     namespaces = store.diagnose().get("namespaces", [])
     refused = [r for ns in namespaces for r in ns.get("refused", [])]
-    assert [r["engine_id"] for r in refused] == ["engine-c"], f"diagnose refused list: {refused}"
+    # The connector opens one session per role (scheduler, worker); every refused one is C's.
+    refused_ids = [r["engine_id"] for r in refused]
+    assert refused_ids and all(i.split("/")[0] == "engine-c" for i in refused_ids), f"refused: {refused}"
     diffs = {d["field"] for r in refused for d in r.get("refusal", {}).get("diffs", [])}
     assert "lookahead_tokens" in diffs
