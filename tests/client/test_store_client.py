@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -201,7 +207,7 @@ def test_stopped_store_calls_respect_deadline_and_session_survives(
     assert client.lookup(blocks).prefix_length == 2
 
 
-def test_expired_session_is_reopened_transparently(
+def test_session_unknown_to_the_store_is_reopened_transparently(
     shared_store: StoreProcess, make_client: ClientFactory
 ) -> None:
     client = make_client(shared_store.endpoint, tenant="expiry")
@@ -317,3 +323,64 @@ def test_store_answering_errors_degrades_without_raising_then_recovers(
         assert client.counters.put_dropped == len(blocks) - 2
     finally:
         proxy.close()
+
+
+_PAUSABLE_CLIENT = """
+import json, sys
+from kvtag_client import keys
+from kvtag_client.store import StoreClient
+from tests.client.store_harness import namespace
+client = StoreClient(sys.argv[1], engine_id="paused", namespace=namespace("ttl"), mode=keys.mode(16, 0),
+                     probe_keys=keys.probe_keys(16, 0), rpc_timeout_s=5.0, reconnect_interval_s=0.3)
+assert client.open()
+print(client.session_id, flush=True)
+sys.stdin.readline()
+statuses = client.put([(0, b"k" * 32, b"value", b"")])
+report = {"session": client.session_id, "statuses": statuses, **client.counters.snapshot()}
+print(json.dumps(report), flush=True)
+client.close()
+"""
+
+
+def test_session_expired_while_client_was_frozen_is_reopened_transparently(start_store: StoreFactory) -> None:
+    """A real TTL expiry: the whole client process is SIGSTOPped past the session TTL."""
+    store = start_store("--session-ttl-ms", "500")
+    root = Path(__file__).resolve().parents[2]
+    client = subprocess.Popen(
+        [sys.executable, "-c", _PAUSABLE_CLIENT, store.endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+    )
+    try:
+        assert client.stdin is not None and client.stdout is not None
+        first_session = client.stdout.readline().strip()
+        assert first_session
+        os.kill(client.pid, signal.SIGSTOP)
+        with grpc.insecure_channel(store.endpoint) as channel:
+            stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+
+            def expired() -> bool:
+                try:
+                    stub.Heartbeat(pb.HeartbeatRequest(session_id=first_session), timeout=2)
+                except grpc.RpcError as err:
+                    return bool(err.code() is grpc.StatusCode.NOT_FOUND)
+                return False
+
+            # Probing with Heartbeat would itself keep the session alive: wait out the TTL first.
+            time.sleep(1.2)
+            assert expired()
+        os.kill(client.pid, signal.SIGCONT)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        report = json.loads(client.stdout.readline())
+        assert report["statuses"] == [pb.STORED]
+        assert report["session"] != first_session
+        assert report["reconnects"] == 1 and report["degraded_calls"] == 0 and report["put_dropped"] == 0
+        assert client.wait(timeout=10) == 0
+    finally:
+        if client.poll() is None:
+            os.kill(client.pid, signal.SIGCONT)
+            client.kill()
+            client.wait(timeout=10)
