@@ -2,7 +2,8 @@
 
 The service layer (sessions, policy, leases, counters) sits above this; a
 backend only stores tagged values and answers for them. The same contract
-tests (tests/service/test_backend_contract.py) run against every backend.
+tests (tests/contract/backend_contract.py, subclassed once per backend)
+run against every backend.
 """
 
 from __future__ import annotations

@@ -143,21 +143,28 @@ class MemoryBackend:
 
     def _make_room(self, size: int) -> bool:
         """Evict least recently used unpinned blocks until `size` more bytes fit; False (and evict
-        nothing) when the leased blocks alone leave too little room. Caller holds the lock."""
-        if self._capacity - self._pinned_bytes() < size:
-            return False
+        nothing) when the leased blocks leave too little room. Caller holds the lock.
+
+        Leased blocks met on the way move to the recent end (a second chance), so later scans do
+        not walk past them again; they are in use, which is what recency means."""
         need = self._used + size - self._capacity
         victims: list[_StoreKey] = []
+        leased: list[_StoreKey] = []
         freed = 0
         namespaces = self._namespaces
         for store_key in self._lru:
             ns_id, address = store_key
-            if address in namespaces[ns_id].pins:
+            ns = namespaces[ns_id]
+            if address in ns.pins:
+                leased.append(store_key)
                 continue
             victims.append(store_key)
-            freed += len(self._namespaces[ns_id].entries[address].value)
+            freed += len(ns.entries[address].value)
             if freed >= need:
                 break
+        deque(map(self._lru.move_to_end, leased), maxlen=0)
+        if freed < need:
+            return False
         for ns_id, address in victims:
             ns = self._namespaces[ns_id]
             self._remove(ns_id, ns, address, ns.entries[address])
