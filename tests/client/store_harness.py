@@ -15,7 +15,18 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-KVTAG_STORE = Path(sys.executable).with_name("kvtag-store")
+
+def _kvtag_store() -> Path:
+    """The service CLI: $KVTAG_STORE_BIN, beside this interpreter, or the repo's service venv (.venv)."""
+    if os.environ.get("KVTAG_STORE_BIN"):
+        return Path(os.environ["KVTAG_STORE_BIN"])
+    beside = Path(sys.executable).with_name("kvtag-store")
+    if beside.exists():
+        return beside
+    return Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvtag-store"
+
+
+KVTAG_STORE = _kvtag_store()
 
 
 def free_port() -> int:
