@@ -60,7 +60,9 @@ def _mooncake_stack(mooncake_image: str) -> Iterator[pm.Deployment]:
         name = stack.container("kvtag")
         pm.wait_healthy(stack.container("mooncake-master"))
         pm.wait_healthy(name, timeout_s=90)
-        yield pm.Deployment(name=name, grpc_port=grpc_port, metrics_port=metrics_port, backend="mooncake")
+        yield pm.Deployment(
+            name=name, grpc_port=grpc_port, metrics_port=metrics_port, backend="mooncake", stack=stack
+        )
     finally:
         stack.down()
 

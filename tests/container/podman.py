@@ -56,6 +56,11 @@ def inspect(name: str) -> dict[str, Any]:
     return data[0]
 
 
+def inspect_network(name: str) -> dict[str, Any]:
+    data: list[dict[str, Any]] = json.loads(podman("network", "inspect", name).stdout)
+    return data[0]
+
+
 def image_config(image: str) -> dict[str, Any]:
     data: list[dict[str, Any]] = json.loads(podman("image", "inspect", image).stdout)
     config: dict[str, Any] = data[0]["Config"]
@@ -95,6 +100,7 @@ class Deployment:
     grpc_port: int
     metrics_port: int
     backend: str
+    stack: ComposeProject | None = None
 
     @property
     def target(self) -> str:

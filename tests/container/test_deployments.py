@@ -108,6 +108,25 @@ def test_metrics_endpoint_counts_stored_bytes_and_refusals(deployment: pm.Deploy
     assert float(samples['kvtag_sessions_refused_total{reason="MODE_REFUSED"}']) >= 1
 
 
+def published_host_ips(container: str) -> set[str]:
+    bindings = pm.inspect(container)["HostConfig"]["PortBindings"] or {}
+    return {binding["HostIp"] for ports in bindings.values() for binding in ports or []}
+
+
+def test_only_kvtag_is_published_and_only_on_loopback(deployment: pm.Deployment) -> None:
+    assert published_host_ips(deployment.name) == {"127.0.0.1"}
+    if deployment.stack is None:
+        return
+    # Mooncake listens on every interface of its network namespace: the master and the
+    # storage node must have no published port and no network but the stack's internal one.
+    internal = f"{deployment.stack.project}_mooncake"
+    assert pm.inspect_network(internal)["internal"] is True
+    for service in ("mooncake-master", "mooncake-storage"):
+        container = deployment.stack.container(service)
+        assert published_host_ips(container) == set(), f"{service} publishes ports"
+        assert set(pm.inspect(container)["NetworkSettings"]["Networks"]) == {internal}
+
+
 def test_sigterm_stops_the_service_with_exit_code_0(deployment: pm.Deployment) -> None:
     code = pm.stop(deployment.name)
     assert code == 0, f"exit code {code} after SIGTERM:\n{pm.logs(deployment.name)}"

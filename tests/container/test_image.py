@@ -9,13 +9,13 @@ from . import podman as pm
 
 def test_image_runs_as_non_root_and_declares_ports_health_and_stop_signal(image: str) -> None:
     config = pm.image_config(image)
-    assert config["User"] == "kvtag"
+    assert config["User"] == "10001:10001", "a numeric user, so hosts and runtimes can verify it is not root"
     assert set(config["ExposedPorts"]) == {f"{pm.GRPC_PORT}/tcp", f"{pm.METRICS_PORT}/tcp"}
     assert config["StopSignal"] == "SIGTERM"
     health = pm.podman("image", "inspect", "--format", "{{json .HealthCheck}}", image).stdout
     assert "kvtag-store health" in " ".join(json.loads(health)["Test"])
-    uid = pm.podman("run", "--rm", "--entrypoint", "id", image, "-u").stdout.strip()
-    assert uid != "0"
+    who = pm.podman("run", "--rm", "--entrypoint", "id", image).stdout
+    assert who.startswith("uid=10001(kvtag) gid=10001(kvtag)"), who
 
 
 def test_image_carries_no_vllm_torch_or_build_tools(image: str) -> None:
