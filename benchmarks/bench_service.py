@@ -300,6 +300,9 @@ class KvtagBench:
 
     def __init__(self, channel: grpc.Channel, server: Server) -> None:
         self.stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        self.put_raw = channel.unary_unary(
+            "/kvtag.v1.KvStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString
+        )
         self.server = server
         opened = self.stub.OpenSession(open_session_request())
         self.session_id: str = opened.session_id
@@ -351,6 +354,23 @@ class KvtagBench:
 
         return call
 
+    def put_wire_call(self, items: Sequence[tuple[bytes, bytes]], expect_bytes: int) -> Callable[[], int]:
+        """Put with the request encoded by hand inside the timer: server cost with a near-free client."""
+
+        def call() -> int:
+            response = self.put_raw(encode_put_request(self.session_id, items))
+            if sum(1 for r in response.results if r.status == pb.STORED) != len(items):
+                raise SystemExit("hand-encoded put was not stored")
+            return expect_bytes
+
+        return call
+
+    def wire_items(self, plan: Plan, pool: ValuePool, tag: str) -> list[list[tuple[bytes, bytes]]]:
+        return [
+            [(block_key(tag, b * plan.batch_items + i), pool[i + b]) for i in range(plan.batch_items)]
+            for b in range(plan.batches)
+        ]
+
     def get_call(self, request: pb.GetRequest) -> Callable[[], int]:
         def call() -> int:
             response = self.stub.Get(request)
@@ -373,6 +393,15 @@ class KvtagBench:
             if any(r.status not in (pb.STORED, pb.ALREADY_PRESENT) for r in response.results):
                 raise SystemExit("lookup set-up put failed")
 
+    def ensure_present(self, request: pb.LookupRequest, keys: Sequence[bytes], value: bytes) -> None:
+        response = self.stub.Lookup(request)
+        if response.lease.lease_id:
+            self.stub.ReleaseLeases(
+                pb.ReleaseLeasesRequest(session_id=self.session_id, lease_ids=[response.lease.lease_id])
+            )
+        if response.prefix_length != len(keys):
+            self.put_values(keys, value)
+
     def lookup_request(self, keys: Sequence[bytes]) -> pb.LookupRequest:
         return pb.LookupRequest(session_id=self.session_id, blocks=[pb.BlockRef(key=k) for k in keys])
 
@@ -391,6 +420,39 @@ class KvtagBench:
     def close(self) -> None:
         with contextlib.suppress(grpc.RpcError):
             self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id))
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_put_request(session_id: str, items: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """PutRequest wire bytes joined around the values: one copy, no protobuf buffer growth.
+
+    Same bytes as the generated SerializeToString (checked at start-up by check_put_encoding).
+    """
+    sid = session_id.encode()
+    parts = [b"\x0a" + varint(len(sid)) + sid]
+    for key, value in items:
+        block = b"\x0a" + varint(len(key)) + key
+        head = b"\x0a" + varint(len(block)) + block + b"\x12" + varint(len(value))
+        parts.append(b"\x12" + varint(len(head) + len(value)) + head)
+        parts.append(value)
+    return b"".join(parts)
+
+
+def check_put_encoding() -> None:
+    items = [(b"k" * 32, b"v" * 300), (b"q", os.urandom(70000))]
+    generated = pb.PutRequest(
+        session_id="s-1", items=[pb.PutItem(block=pb.BlockRef(key=k), value=v) for k, v in items]
+    ).SerializeToString()
+    if encode_put_request("s-1", items) != generated:
+        raise SystemExit("hand-encoded PutRequest differs from the generated encoding")
 
 
 def open_session_request() -> pb.OpenSessionRequest:
@@ -664,7 +726,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lookup_req = kv.lookup_request(lookup_keys)
             lookup_req_bytes = lookup_req.ByteSize()
             big_keys = [block_key("lookup-64KiB", i) for i in range(LOOKUP_KEYS)]
-            kv.put_values(big_keys, os.urandom(64 * KiB))
+            big_value = os.urandom(64 * KiB)
+            kv.put_values(big_keys, big_value)
             big_req = kv.lookup_request(big_keys)
             miss_req = kv.lookup_request([block_key("lookup-miss", i) for i in range(LOOKUP_KEYS)])
             ref_payload = os.urandom(lookup_req_bytes)
@@ -721,6 +784,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                         del payload
                         puts = kv.put_batches(p, pool, tag + "/2inflight")
+                        wire_batches = kv.wire_items(p, pool, tag + "/wire")
+                        series[label]["kvtag_put_wire"].samples.append(
+                            timed_calls([kv.put_wire_call(w, p.batch_bytes) for w in wire_batches], kv_server)
+                        )
+                        del wire_batches
                         series[label]["kvtag_put_2inflight"].samples.append(
                             timed_calls([kv.put_call(r, p.batch_bytes) for r in puts], kv_server, 2)
                         )
@@ -737,6 +805,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     series[label]["grpc_echo"].samples.append(
                         timed_calls([ref.echo_call(pool[i]) for i in range(echo_n)], echo_server)
                     )
+                # A small --capacity may have evicted the lookup sets: put them back (untimed).
+                kv.ensure_present(lookup_req, lookup_keys, b"v" * 64)
+                kv.ensure_present(big_req, big_keys, big_value)
                 lat["kvtag_lookup_4096_hit"].append(
                     [kv.lookup_latency(lookup_req, LOOKUP_KEYS) for _ in range(lookups_per_repeat)]
                 )
@@ -815,6 +886,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "put/memcpy": round(med["kvtag_put"] / med["memcpy"], 4),
             "get/memcpy": round(med["kvtag_get"] / med["memcpy"], 4),
         }
+        if "kvtag_put_wire" in med:
+            ratios["put_wire/grpc_upload"] = round(med["kvtag_put_wire"] / med["grpc_upload"], 3)
         if "kvtag_put_2inflight" in med:
             ratios["put_2inflight/grpc_upload_2inflight"] = round(
                 med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
@@ -873,6 +946,13 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row[k]['GBps_median']:7.3f} [{row[k]['GBps_min']:.2f}-{row[k]['GBps_max']:.2f}]" for k in kinds
         ]
         print(f"{label:>8} " + " ".join(f"{c:>20}" for c in cells))
+    extra = ("kvtag_put_wire", "kvtag_put_2inflight", "kvtag_get_2inflight", "grpc_upload_2inflight")
+    for label, row in report["throughput"].items():
+        for kind in (k for k in (*extra, "grpc_download_2inflight") if k in row):
+            cell = (
+                f"{row[kind]['GBps_median']:7.3f} [{row[kind]['GBps_min']:.2f}-{row[kind]['GBps_max']:.2f}]"
+            )
+            print(f"{label:>8} {kind:>24} {cell}")
     print("\nratios (medians)")
     for label, row in report["throughput"].items():
         print(f"{label:>8} " + "  ".join(f"{k} {v}" for k, v in row["ratios"].items()))
@@ -931,6 +1011,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.serve_bytes:
         serve_bytes(args.serve_bytes, args.workers, args.max_message_bytes)
         return
+    check_put_encoding()
     report = run(args)
     print_table(report)
     if args.out:
