@@ -50,14 +50,17 @@ def make_client() -> Iterator[ClientFactory]:
 
     def factory(endpoint: str, lookahead_tokens: int = 0, tenant: str = "", **kwargs: object) -> StoreClient:
         # Generous by default: the machine is shared, and only the fault tests are about deadlines.
-        options: dict[str, object] = {"rpc_timeout_s": 5.0, "reconnect_interval_s": 0.3}
+        options: dict[str, object] = {
+            "rpc_timeout_s": 5.0,
+            "reconnect_interval_s": 0.3,
+            "probe_keys": keys.probe_keys(16, lookahead_tokens),
+        }
         options.update(kwargs)
         client = StoreClient(
             endpoint,
             engine_id=f"engine-{len(clients)}",
             namespace=namespace(tenant),
             mode=keys.mode(16, lookahead_tokens),
-            probe_keys=keys.probe_keys(16, lookahead_tokens),
             labels={"test": "client"},
             **options,  # type: ignore[arg-type]
         )

@@ -18,6 +18,7 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_client import keys
 from kvtag_client.store import StoreState
+from kvtag_proto.ids import probe_tokens
 
 from .conftest import ClientFactory, StoreFactory
 from .fault_proxy import FaultProxy
@@ -384,3 +385,22 @@ def test_session_expired_while_client_was_frozen_is_reopened_transparently(start
             os.kill(client.pid, signal.SIGCONT)
             client.kill()
             client.wait(timeout=10)
+
+
+def test_strict_store_refuses_same_mode_with_different_probe_keys_naming_the_cause(
+    start_store: StoreFactory, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = start_store("--policy", "strict")
+    assert make_client(store.endpoint).open()
+    # Same declared mode, but this "engine" hashes differently (as a different seed would).
+    drifted = keys.block_keys(probe_tokens(16, 0), 16, 0, keys.ExtraKeys(cache_salt="drift"))
+    second = make_client(store.endpoint, probe_keys=drifted)
+    with caplog.at_level(logging.ERROR, logger="kvtag_client.store"):
+        assert not second.open()
+    assert second.state is StoreState.REFUSED
+    assert second.refusal_error is not None and second.refusal_error.reason == "PROBE_DISAGREEMENT"
+    assert second.refusal_error.probe_disagreement is not None
+    [record] = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert "different probe keys" in record.getMessage()
+    assert second.refusal_error.probe_disagreement.likely_cause in record.getMessage()
+    assert second.lookup(_blocks()).prefix_length == 0
