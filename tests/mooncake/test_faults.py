@@ -6,9 +6,11 @@ Each test owns its cluster (it breaks it) and is bounded by Mooncake's own timeo
 
 from __future__ import annotations
 
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -19,9 +21,9 @@ from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutc
 from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect
 from kvtag_store.backends.mooncake_format import HEADER_BYTES, object_key
 
-from tests.mooncake.cluster import MooncakeCluster, wait_until
+from tests.mooncake.cluster import MooncakeCluster, free_port, mooncake_env, wait_until
 from tests.mooncake.conftest import settings_for
-from tests.mooncake.replicas import Replica, mode, namespace
+from tests.mooncake.replicas import KVTAG_STORE, Replica, mode, namespace
 
 MODE = "m-0123456789abcdef"
 
@@ -160,3 +162,48 @@ def test_leased_blocks_outlive_eviction_and_stats_count_it(
     assert KeyStatus.MISS in evicted
     own_backend.unpin(ns, pinned)
     assert own_backend.stats().leased_keys == 0
+
+
+def test_service_exits_at_once_with_a_message_when_no_master_listens(tmp_path: Path) -> None:
+    port = free_port()
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            str(KVTAG_STORE),
+            "serve",
+            "--listen=127.0.0.1:0",
+            "--metrics-listen=",
+            "--backend=mooncake",
+            f"--mooncake-master=127.0.0.1:{port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=mooncake_env(),
+    )
+    assert done.returncode == 1
+    assert f"Mooncake master 127.0.0.1:{port} unreachable" in done.stderr
+    assert time.monotonic() - started < 15
+
+
+def test_concurrent_callers_always_read_exact_bytes(mooncake_backend: MooncakeBackend) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    blocks = {addr(f"c{i}"): bytes([i]) * (1024 + i) for i in range(32)}
+    every = list(blocks.items())
+
+    def worker(seed: int) -> int:
+        checked = 0
+        for round_ in range(20):
+            items = [every[(seed * 8 + round_ + j) % len(every)] for j in range(8)]
+            outcomes = mooncake_backend.put_many(ns, MODE, items)
+            assert {r.outcome for r in outcomes} <= {PutOutcome.STORED, PutOutcome.ALREADY_PRESENT}, outcomes
+            results = mooncake_backend.get(ns, MODE, [a for a, _ in items])
+            for (address, value), result in zip(items, results, strict=True):
+                assert result.status is KeyStatus.HIT and result.value == value, address
+                checked += 1
+        return checked
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sum(pool.map(worker, range(4))) == 4 * 20 * 8
+    # Each block was stored exactly once, however the puts raced.
+    assert mooncake_backend.lookup(ns, MODE, list(blocks)) == [KeyStatus.HIT] * len(blocks)

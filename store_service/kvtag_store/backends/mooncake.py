@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -38,6 +39,10 @@ from kvtag_store.backends.mooncake_format import (
 )
 
 _OK = MooncakeCode.OK
+# Put codes after which the stored header, not the code, says what happened.
+_PUT_ACCEPTED = (MooncakeCode.OK, MooncakeCode.OBJECT_ALREADY_EXISTS)
+# Read-back codes of a value another writer is still putting (it is not readable yet).
+_IN_FLIGHT = (MooncakeCode.OBJECT_NOT_FOUND, MooncakeCode.OBJECT_ALREADY_EXISTS)
 _MISSING = MooncakeCode.OBJECT_NOT_FOUND
 _RPC_FAIL = MooncakeCode.RPC_FAIL
 # Header reads per get_into_ranges call; the registered arena holds this many headers.
@@ -89,6 +94,7 @@ def connect(settings: MooncakeSettings) -> MooncakeClient:
     """Open a Mooncake client (P2P handshake metadata, never HTTP metadata)."""
     from mooncake.store import MooncakeDistributedStore
 
+    _probe_master(settings.master)
     client = MooncakeDistributedStore()
     rc = client.setup(
         settings.local_hostname,
@@ -105,6 +111,19 @@ def connect(settings: MooncakeSettings) -> MooncakeClient:
             "check that mooncake_master runs there and that this host can reach it"
         )
     return client  # type: ignore[no-any-return]
+
+
+def _probe_master(master: str, timeout_s: float = 3.0) -> None:
+    """Fail in milliseconds when nothing listens at the master address: Mooncake's setup would
+    retry for about a minute and a half before giving up."""
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise BackendUnavailable(
+            f"Mooncake master {master} unreachable ({exc}); "
+            "start mooncake_master there or fix --mooncake-master"
+        ) from exc
 
 
 class _HeaderReader:
@@ -259,7 +278,7 @@ class MooncakeBackend:
             if rc == _RPC_FAIL:
                 self.errors.add(rc)
                 raise self._unavailable("storing a block", rc)
-            if rc != _OK:
+            if rc not in _PUT_ACCEPTED:
                 self.errors.add(rc)
                 return PutResult(PutOutcome.REJECTED, _put_failure(rc))
             result = self._verify_put(namespace_id, mode_id, address, mkey, nonce)
@@ -293,7 +312,7 @@ class MooncakeBackend:
             if found == _RPC_FAIL:
                 self.errors.add(found)
                 raise self._unavailable("confirming a store", found)
-            if found != _MISSING:
+            if found not in _IN_FLIGHT:
                 self.errors.add(found)
                 return PutResult(
                     PutOutcome.REJECTED, f"the store could not be confirmed: {describe(found)} on read-back"
@@ -367,7 +386,7 @@ class MooncakeBackend:
         if rc == _RPC_FAIL:
             self.errors.add(rc)
             raise self._unavailable("storing blocks", rc)
-        if rc != _OK:
+        if rc not in _PUT_ACCEPTED:
             self.errors.add(rc)
         for index, mkey, nonce, found in zip(chunk, mkeys, nonces, self._headers.read(mkeys), strict=True):
             address = items[index][0]
@@ -375,13 +394,15 @@ class MooncakeBackend:
                 results[index] = self._judge(found, namespace_id, mode_id, address, mkey, nonce)
                 if results[index] is None:
                     single.append(index)  # a corrupt value was dropped: store it alone
-            elif found == _MISSING and rc == _OK:
+            elif found in _IN_FLIGHT and rc in _PUT_ACCEPTED:
                 single.append(index)  # another writer's put in flight: the single path waits for it
             elif found == _RPC_FAIL:
                 self.errors.add(found)
                 raise self._unavailable("confirming a store", found)
             else:
-                results[index] = PutResult(PutOutcome.REJECTED, _put_failure(rc if rc != _OK else found))
+                results[index] = PutResult(
+                    PutOutcome.REJECTED, _put_failure(rc if rc not in _PUT_ACCEPTED else found)
+                )
 
     # -- reads --------------------------------------------------------------
 

@@ -18,6 +18,8 @@ class MooncakeCode(enum.IntEnum):
     NO_AVAILABLE_HANDLE = -200
     # The client's local transfer buffer cannot hold the value right now, or a range is out of bounds.
     BUFFER_OVERFLOW = -600
+    # A put met a key that exists or whose first put is still in flight: judged by read-back.
+    OBJECT_ALREADY_EXISTS = -703
     OBJECT_NOT_FOUND = -704
     OBJECT_HAS_LEASE = -706
     # The storage process holding a replica cannot be reached.
@@ -30,6 +32,7 @@ class MooncakeCode(enum.IntEnum):
 COUNTER_NAMES: dict[int, str] = {
     MooncakeCode.NO_AVAILABLE_HANDLE: "full",
     MooncakeCode.BUFFER_OVERFLOW: "buffer",
+    MooncakeCode.OBJECT_ALREADY_EXISTS: "exists",
     MooncakeCode.OBJECT_NOT_FOUND: "missing",
     MooncakeCode.OBJECT_HAS_LEASE: "leased",
     MooncakeCode.TRANSFER_FAIL: "transfer",
