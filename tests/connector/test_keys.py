@@ -8,19 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtag_client.connector.namespace import Geometry, vllm_probe_keys
+from kvtag_client.connector.tracking import RequestKeys
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.request import RequestStatus
 
-from kvtag_client.connector.namespace import Geometry, vllm_probe_keys
-from kvtag_client.connector.tracking import RequestKeys
-
 from .harness import Engine, assert_scheduler_empty
 from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
-VECTORS = json.loads((Path(__file__).resolve().parents[2] / "docs" / "canonical-key-vectors.json").read_text())
+VECTORS = json.loads(
+    (Path(__file__).resolve().parents[2] / "docs" / "canonical-key-vectors.json").read_text()
+)
 
 
 def vector_request(engine: Engine, vector: dict[str, Any]) -> Any:
@@ -33,7 +34,10 @@ def vector_request(engine: Engine, vector: dict[str, Any]) -> Any:
     if extras["mm_items"]:
         kwargs["mm_features"] = [
             MultiModalFeatureSpec(
-                data=None, modality="image", identifier=ident, mm_position=PlaceholderRange(offset=off, length=n)
+                data=None,
+                modality="image",
+                identifier=ident,
+                mm_position=PlaceholderRange(offset=off, length=n),
             )
             for ident, off, n in extras["mm_items"]
         ]
@@ -46,14 +50,18 @@ def test_connector_keys_match_the_published_canonical_vectors(
 ) -> None:
     engine = make_engine(store.endpoint)
     h = vector["hash_block_size"]
-    keys = RequestKeys(vector_request(engine, vector), Geometry(h, h), vector["lookahead_tokens"], "canonical")
+    keys = RequestKeys(
+        vector_request(engine, vector), Geometry(h, h), vector["lookahead_tokens"], "canonical"
+    )
     keys.refresh()
     assert keys.encodable
     got = [keys.key(j).hex() for j in range(keys.num_keyed_blocks())]
     assert got == vector["keys"]
 
 
-def test_vllm_scheme_uses_the_engine_block_hashes(make_engine: Callable[..., Engine], store: StoreProcess) -> None:
+def test_vllm_scheme_uses_the_engine_block_hashes(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
     engine = make_engine(store.endpoint, eagle=True, extra={"key_scheme": "vllm", "engine_id": "vllm-scheme"})
     assert engine.connector.lookahead_tokens == 1
     prompt = fresh_prompt(3 * B + 2)
@@ -90,8 +98,12 @@ def test_cache_salt_separates_hits(make_engine: Callable[..., Engine], store: St
     writer.run()
     writer.drain_saves()
     reader = make_engine(store.endpoint)
-    same = reader.connector.get_num_new_matched_tokens(reader.make_request("s1", prompt, 1, cache_salt="tenant-a"), 0)
-    other = reader.connector.get_num_new_matched_tokens(reader.make_request("s2", prompt, 1, cache_salt="tenant-b"), 0)
+    same = reader.connector.get_num_new_matched_tokens(
+        reader.make_request("s1", prompt, 1, cache_salt="tenant-a"), 0
+    )
+    other = reader.connector.get_num_new_matched_tokens(
+        reader.make_request("s2", prompt, 1, cache_salt="tenant-b"), 0
+    )
     unsalted = reader.external_hit("s3", prompt)
     assert same[0] == 2 * B
     assert other[0] == 0 and unsalted == 0

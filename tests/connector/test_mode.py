@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from kvtag_proto import ids
-
 from kvtag_client import keys
 from kvtag_client.connector import KvtagConnector, compat
 from kvtag_client.connector.config import ConnectorConfigError, parse
+from kvtag_proto import ids
 
 from .harness import Engine
 from .store_process import StoreProcess
@@ -93,5 +92,7 @@ def test_plugin_registers_the_connector_by_name() -> None:
 
     (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvtag"]
     entry.load()()
-    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="KvtagConnector", kv_role="kv_both"))
+    cls = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="KvtagConnector", kv_role="kv_both")
+    )
     assert cls is KvtagConnector
