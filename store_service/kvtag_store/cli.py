@@ -33,6 +33,9 @@ from kvtag_store.config import (
 from kvtag_store.server import start_server
 
 log = logging.getLogger("kvtag_store")
+# Start/stop lines are shown at any --log-level: supervisors and tests wait for "serving".
+lifecycle = logging.getLogger("kvtag_store.lifecycle")
+lifecycle.setLevel(logging.INFO)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -93,7 +96,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
+        lifecycle.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -112,7 +115,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         return 1
     stats = backend.stats()
-    log.info(
+    lifecycle.info(
         "kvtag-store serving on %s",
         running.address,
         extra={
@@ -127,7 +130,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     while not stop.wait(1.0):
         pass
     running.stop(grace=5.0)
-    log.info("stopped cleanly")
+    lifecycle.info("stopped cleanly")
     return 0
 
 

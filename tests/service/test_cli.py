@@ -182,3 +182,9 @@ def test_bad_flag_values_are_refused_with_a_usage_error() -> None:
     result = cli("serve", "--capacity", "lots")
     assert result.returncode == 2
     assert "not a size" in result.stderr
+
+
+def test_serving_line_is_logged_even_at_warning_level() -> None:
+    served = serve("--metrics-listen", "", "--log-level", "warning")
+    assert stop(served) == 0
+    assert any("stopped cleanly" in line for line in served.log_lines)
