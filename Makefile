@@ -18,7 +18,7 @@ test: check test-service test-client test-mooncake test-connector test-e2e test-
 
 # The inner loop: static checks and the service suite (no vLLM, no Mooncake, no containers).
 test-fast: check
-	$(VENV)/bin/pytest -q -m "not slow" tests/service
+	$(VENV)/bin/pytest -q -m "not slow" tests/service tests/client
 
 $(STAMPS)/service: proto/pyproject.toml store_service/pyproject.toml
 	@mkdir -p $(STAMPS)
