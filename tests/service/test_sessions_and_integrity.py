@@ -6,6 +6,7 @@ import time
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
+from kvtag_store.backends.base import KeyStatus
 
 from .conftest import ServerFactory
 from .faults import corrupt_memory_value
@@ -76,3 +77,15 @@ def test_a_new_put_after_corruption_stores_fresh_bytes(store: Store) -> None:
     store.get(opened.session_id, b"k")
     assert store.put(opened.session_id, (b"k", b"new" * 10)) == [pb.STORED]
     assert store.get(opened.session_id, b"k")[0].value == b"new" * 10
+
+
+def test_lookup_verification_can_be_turned_off_but_get_still_never_serves_corruption() -> None:
+    from kvtag_store.backends.memory import MemoryBackend
+
+    backend = MemoryBackend(1 << 20, verify_on_lookup=False)
+    backend.put("ns", "m-a", (0, b"k"), b"bytes" * 100)  # type: ignore[arg-type]
+    corrupt_memory_value(backend, "ns", (0, b"k"))  # type: ignore[arg-type]
+    assert backend.lookup("ns", "m-a", [(0, b"k")]) == [KeyStatus.HIT]  # type: ignore[list-item]
+    [result] = backend.get("ns", "m-a", [(0, b"k")])  # type: ignore[list-item]
+    assert (result.status, result.value) == (KeyStatus.MISS, None)
+    assert backend.stats().corrupted_dropped == 1
