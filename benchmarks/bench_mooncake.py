@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# The cluster and replica helpers of the Mooncake tests (top-level modules there).
+if str(REPO / "tests" / "mooncake") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests" / "mooncake"))
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -46,7 +47,7 @@ MODE = "m-0123456789abcdef"
 
 def reexec_in_private_netns() -> None:
     """Mooncake's transfer engine listens on all interfaces: run where only loopback exists."""
-    from tests.mooncake.cluster import in_private_netns
+    from mooncake_cluster import in_private_netns
 
     if in_private_netns():
         return
@@ -172,9 +173,8 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_proto import ids
     from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeSettings, connect
-
-    from tests.mooncake.cluster import MooncakeCluster
-    from tests.mooncake.replicas import Replica, mode, namespace
+    from mooncake_cluster import MooncakeCluster
+    from mooncake_replicas import Replica, mode, namespace
 
     sizes = [64 * KiB, 1 * MiB] if args.quick else [64 * KiB, 1 * MiB, 4 * MiB]
     repeats = 2 if args.quick else 3

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # `tests.contract` imports resolve from the repository root
-    sys.path.insert(0, str(REPO))
-from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, MooncakeSettings, connect  # noqa: E402
+HERE = Path(__file__).resolve().parent
+# `tests.contract` resolves from the repository root; this folder's helpers are top-level modules
+# (mooncake_cluster, mooncake_replicas): as a package it would be named `mooncake` and shadow the wheel.
+for path in (HERE.parents[1], HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect  # noqa: E402
 from kvtag_store.backends.mooncake_census import MooncakeCensus  # noqa: E402
-
-from tests.mooncake.cluster import MooncakeCluster, in_private_netns  # noqa: E402
-
-LEASE_TTL_MS = 2000
+from mooncake_cluster import MooncakeCluster, in_private_netns, settings_for  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -38,20 +38,11 @@ def _needs_cluster(item: pytest.Item) -> bool:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeCluster]:
-    c = MooncakeCluster(tmp_path_factory.mktemp("mooncake"), lease_ttl_ms=LEASE_TTL_MS)
+    c = MooncakeCluster(tmp_path_factory.mktemp("mooncake"))
     c.start_master()
     c.start_storage(128 << 20)
     yield c
     c.stop()
-
-
-def settings_for(c: MooncakeCluster, local_buffer: int = 32 << 20) -> MooncakeSettings:
-    return MooncakeSettings(
-        master=c.master_address,
-        metrics=c.metrics_address,
-        local_buffer_bytes=local_buffer,
-        lease_ttl_ms=LEASE_TTL_MS,
-    )
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtag_store.backends.mooncake import MooncakeSettings
+
 BIN = Path(sys.prefix) / "bin"
 
 
@@ -150,3 +152,13 @@ def mooncake_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("GLOG_minloglevel", "2")
     return env
+
+
+def settings_for(c: MooncakeCluster, local_buffer: int = 32 << 20) -> MooncakeSettings:
+    """Client settings for a kvtag backend over this cluster."""
+    return MooncakeSettings(
+        master=c.master_address,
+        metrics=c.metrics_address,
+        local_buffer_bytes=local_buffer,
+        lease_ttl_ms=c.lease_ttl_ms,
+    )

@@ -12,8 +12,7 @@ from typing import Any
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-
-from tests.mooncake.cluster import MooncakeCluster, free_port, mooncake_env
+from mooncake_cluster import MooncakeCluster, free_port, mooncake_env
 
 KVTAG_STORE = Path(sys.prefix) / "bin" / "kvtag-store"
 PROBE = [b"probe-key-0", b"probe-key-1"]

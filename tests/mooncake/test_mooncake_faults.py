@@ -20,10 +20,8 @@ from kvtag_proto.errors import parse_error
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
 from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect
 from kvtag_store.backends.mooncake_format import HEADER_BYTES, object_key
-
-from tests.mooncake.cluster import MooncakeCluster, free_port, mooncake_env, wait_until
-from tests.mooncake.conftest import settings_for
-from tests.mooncake.replicas import KVTAG_STORE, Replica, mode, namespace
+from mooncake_cluster import MooncakeCluster, free_port, mooncake_env, settings_for, wait_until
+from mooncake_replicas import KVTAG_STORE, Replica, mode, namespace
 
 MODE = "m-0123456789abcdef"
 
@@ -124,7 +122,7 @@ def test_master_down_is_unavailable_with_a_message_and_the_service_recovers(
 
         def writable() -> bool:
             try:
-                return replica.put(session, (b"k2", b"v2")) == [pb.STORED]
+                return bool(replica.put(session, (b"k2", b"v2")) == [pb.STORED])
             except grpc.RpcError:
                 return False
 

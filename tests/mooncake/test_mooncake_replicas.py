@@ -11,9 +11,8 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
-
-from tests.mooncake.cluster import MooncakeCluster
-from tests.mooncake.replicas import Replica, mode, namespace
+from mooncake_cluster import MooncakeCluster
+from mooncake_replicas import Replica, mode, namespace
 
 Pair = tuple[Replica, Replica]
 STRICT_MODEL = "strict-model-" + uuid.uuid4().hex[:8]

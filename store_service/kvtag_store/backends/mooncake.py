@@ -152,7 +152,7 @@ class _HeaderReader:
                     [[[0]] * n],
                     [[[HEADER_BYTES]] * n],
                 )[0]
-                raw = self._arena.raw[: n * HEADER_BYTES]
+                raw = ctypes.string_at(self._ptr, n * HEADER_BYTES)
             for i, per_range in enumerate(codes):
                 code = per_range[0]
                 out.append(raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] if code >= 0 else code)
@@ -407,6 +407,8 @@ class MooncakeBackend:
     # -- reads --------------------------------------------------------------
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
+        if not addresses:
+            return []
         self._check_master("looking up")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
         found = self._headers.read(mkeys)
@@ -435,6 +437,8 @@ class MooncakeBackend:
         return statuses
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
+        if not addresses:
+            return []
         self._check_master("reading")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
         values = self._fetch(mkeys)
