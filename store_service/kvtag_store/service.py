@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -207,29 +207,43 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         session = self._session(request.session_id)
         addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
         ns_id, mode_id = session.namespace_id, session.mode_id
-        statuses = self.backend.lookup(ns_id, mode_id, addresses)
+        statuses, pinned = self._lookup_and_pin(ns_id, mode_id, addresses)
         hits = statuses.count(_HIT)
         mismatches = statuses.count(_MISMATCH)
         misses = len(statuses) - hits - mismatches
         prefix = _prefix_length(statuses, misses, mismatches)
         cross = self._cross_mode_misses(session, request, statuses) if misses else None
         response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
-        if hits:
-            hit_addresses = (
-                addresses
-                if hits == len(addresses)
-                else [a for a, s in zip(addresses, statuses, strict=True) if s == _HIT]
-            )
+        if pinned:
             lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
-            self.backend.pin(ns_id, hit_addresses)
-            lease_id = self.sessions.add_lease(session, ns_id, hit_addresses, lease_ms)
-            response.lease.lease_id = lease_id
+            response.lease.lease_id = self.sessions.add_lease(session, ns_id, pinned, lease_ms)
             response.lease.expires_in_ms = lease_ms
         self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches, cross_mode=cross)
         self._count_keys(self.metrics.lookup_keys, hits, misses, mismatches)
         if cross:
             self.metrics.cross_mode_misses.inc(sum(cross.values()))
         return response
+
+    def _lookup_and_pin(
+        self, ns_id: str, mode_id: str, addresses: list[BlockAddress]
+    ) -> tuple[list[KeyStatus], Sequence[BlockAddress]]:
+        """Statuses and the pinned hits. Backends that can do both atomically (the memory backend's
+        lookup_and_pin) leave no window for an eviction between lookup and pin."""
+        atomic = getattr(self.backend, "lookup_and_pin", None)
+        if atomic is not None:
+            statuses, pinned = atomic(ns_id, mode_id, addresses)
+            return statuses, pinned
+        statuses = self.backend.lookup(ns_id, mode_id, addresses)
+        hits = statuses.count(_HIT)
+        if not hits:
+            return statuses, []
+        pinned = (
+            addresses
+            if hits == len(addresses)
+            else [a for a, s in zip(addresses, statuses, strict=True) if s == _HIT]
+        )
+        self.backend.pin(ns_id, pinned)
+        return statuses, pinned
 
     def _cross_mode_misses(
         self, session: Session, request: wire.LookupBatch, statuses: list[KeyStatus]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,9 +30,9 @@ def make_store() -> Iterator[ServerFactory]:
     """make_store(capacity=..., **ServiceConfig fields) -> a Store on a fresh server, stopped at teardown."""
     running: list[tuple[RunningServer, grpc.Channel]] = []
 
-    def factory(capacity: int = 64 << 20, **config: object) -> Store:
+    def factory(capacity: int = 64 << 20, **config: Any) -> Store:
         backend = MemoryBackend(capacity)
-        server = start_server(backend, MemoryCensus(), ServiceConfig(**config), listen="127.0.0.1:0")  # type: ignore[arg-type]
+        server = start_server(backend, MemoryCensus(), ServiceConfig(**config), listen="127.0.0.1:0")
         limit = server.service.limits.max_message_bytes
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         channel = grpc.insecure_channel(server.address, options=options)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -61,10 +61,10 @@ def target() -> Iterator[Target]:
     server.stop(grace=0)
 
 
-def assert_documented(call: object) -> str:
+def assert_documented(call: Callable[[], object]) -> str:
     """Run the call; if it fails, the failure must be a documented (code, reason) pair. Returns the reason."""
     try:
-        call()  # type: ignore[operator]
+        call()
     except grpc.RpcError as exc:
         error = parse_error(exc)
         assert error is not None, f"undocumented failure without kvtag details: {exc}"

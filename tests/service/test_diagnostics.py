@@ -130,7 +130,9 @@ def test_prometheus_metrics_expose_store_and_request_figures() -> None:
     try:
         with grpc.insecure_channel(server.address) as channel:
             kvstore = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
-            store = Store(server=server, stub=kvstore, backend=server.service.backend)  # type: ignore[arg-type]
+            backend = server.service.backend
+            assert isinstance(backend, MemoryBackend)
+            store = Store(server=server, stub=kvstore, backend=backend)
             session = store.open().session_id
             store.put(session, (b"k", bytes(100)))
             store.lookup(session, b"k", b"missing")

@@ -6,7 +6,7 @@ import time
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store.backends.base import KeyStatus
+from kvtag_store.backends.base import BlockKey, KeyStatus
 
 from .conftest import ServerFactory
 from .faults import corrupt_memory_value
@@ -54,7 +54,7 @@ def test_corrupted_value_is_dropped_counted_and_never_served(store: Store) -> No
     opened = store.open()
     session = opened.session_id
     store.put(session, (b"k", b"precious KV bytes" * 50), (b"j", b"healthy"))
-    corrupt_memory_value(store.backend, opened.namespace_id, (0, b"k"))  # type: ignore[arg-type]
+    corrupt_memory_value(store.backend, opened.namespace_id, (0, BlockKey(b"k")))
     results = store.get(session, b"k", b"j")
     assert [(r.status, r.value) for r in results] == [(pb.MISS, b""), (pb.HIT, b"healthy")]
     stats = store.stats()
@@ -64,7 +64,7 @@ def test_corrupted_value_is_dropped_counted_and_never_served(store: Store) -> No
 def test_corruption_is_caught_on_lookup_before_a_hit_is_promised(store: Store) -> None:
     opened = store.open()
     store.put(opened.session_id, (b"k", b"x" * 4096))
-    corrupt_memory_value(store.backend, opened.namespace_id, (0, b"k"))  # type: ignore[arg-type]
+    corrupt_memory_value(store.backend, opened.namespace_id, (0, BlockKey(b"k")))
     answer = store.lookup(opened.session_id, b"k")
     assert (answer.prefix_length, list(answer.statuses)) == (0, [pb.MISS])
     assert store.stats().corrupted_dropped == 1
@@ -73,7 +73,7 @@ def test_corruption_is_caught_on_lookup_before_a_hit_is_promised(store: Store) -
 def test_a_new_put_after_corruption_stores_fresh_bytes(store: Store) -> None:
     opened = store.open()
     store.put(opened.session_id, (b"k", b"old" * 10))
-    corrupt_memory_value(store.backend, opened.namespace_id, (0, b"k"))  # type: ignore[arg-type]
+    corrupt_memory_value(store.backend, opened.namespace_id, (0, BlockKey(b"k")))
     store.get(opened.session_id, b"k")
     assert store.put(opened.session_id, (b"k", b"new" * 10)) == [pb.STORED]
     assert store.get(opened.session_id, b"k")[0].value == b"new" * 10
@@ -83,9 +83,9 @@ def test_lookup_verification_can_be_turned_off_but_get_still_never_serves_corrup
     from kvtag_store.backends.memory import MemoryBackend
 
     backend = MemoryBackend(1 << 20, verify_on_lookup=False)
-    backend.put("ns", "m-a", (0, b"k"), b"bytes" * 100)  # type: ignore[arg-type]
-    corrupt_memory_value(backend, "ns", (0, b"k"))  # type: ignore[arg-type]
-    assert backend.lookup("ns", "m-a", [(0, b"k")]) == [KeyStatus.HIT]  # type: ignore[list-item]
-    [result] = backend.get("ns", "m-a", [(0, b"k")])  # type: ignore[list-item]
+    backend.put("ns", "m-a", (0, BlockKey(b"k")), b"bytes" * 100)
+    corrupt_memory_value(backend, "ns", (0, BlockKey(b"k")))
+    assert backend.lookup("ns", "m-a", [(0, BlockKey(b"k"))]) == [KeyStatus.HIT]
+    [result] = backend.get("ns", "m-a", [(0, BlockKey(b"k"))])
     assert (result.status, result.value) == (KeyStatus.MISS, None)
     assert backend.stats().corrupted_dropped == 1

@@ -243,6 +243,26 @@ class MemoryBackend:
             self._verify(namespace_id, addresses, statuses, found)
         return statuses
 
+    def lookup_and_pin(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], Sequence[BlockAddress]]:
+        """Lookup, pinning the hits under the same lock so no eviction slips between the two.
+        Returns the statuses and exactly what was pinned (for the lease to unpin later)."""
+        with self._lock:
+            statuses, found = self._find(namespace_id, mode_id, addresses, touch=False)
+            ns = self._namespaces.get(namespace_id)
+            pinned: Sequence[BlockAddress] = []
+            if ns is not None and statuses.count(_HIT):
+                pinned = (
+                    addresses
+                    if None not in found
+                    else [a for a, e in zip(addresses, found, strict=True) if e is not None]
+                )
+                ns.pins.update(pinned)
+        if self._verify_on_lookup:
+            self._verify(namespace_id, addresses, statuses, found)
+        return statuses, pinned
+
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         with self._lock:
             statuses, found = self._find(namespace_id, mode_id, addresses, touch=True)
