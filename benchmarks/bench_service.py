@@ -889,6 +889,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         ("get_1MiB", get_work, "1 MiB Get batches, back to back"),
                         ("lookup_4096", lookup_work, "4,096-key Lookup, all hits, back to back"),
                     ):
+                        kv.ensure_present(lookup_req, lookup_keys, b"v" * 64)  # the put phase may evict it
                         raw = log_dir / f"kvtag-server-{name}.pyspy.txt"
                         profile[name] = profile_server(py_spy, kv_server, work, args.profile, raw)
                         profile[name]["workload"] = what
