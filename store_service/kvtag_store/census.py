@@ -106,7 +106,7 @@ class Census:
             for other_id in others:
                 other_mode = state.modes[other_id].mode
                 fields = ", ".join(
-                    f"{d.field} {d.established}→{d.requested}"
+                    f"{d.field} {d.established} there, {d.requested} here"
                     for d in modes.mode_diff(other_mode, request.mode)
                 )
                 warnings.append(
@@ -114,9 +114,11 @@ class Census:
                         kind="MODE_SPLIT",
                         other_mode_id=other_id,
                         message=(
-                            f"namespace {ns_text} also has live engines in mode {other_id} ({fields}); "
-                            "the modes cannot share blocks, so each sees only its own hits "
-                            "(see `kvtag-store diagnose` for the cross-mode misses)"
+                            f"engine `{request.engine_id}` joins namespace {ns_text} in mode {mode_id}, but "
+                            f"live engines there hash in mode {other_id} ({fields}); the two modes never "
+                            "share blocks, so each loses the other's hits; align the engines' hashing or "
+                            "split them into separate namespaces (`kvtag-store diagnose` counts the "
+                            "cross-mode misses)"
                         ),
                     )
                 )

@@ -119,7 +119,7 @@ def test_isolate_warns_about_a_mode_split_at_open(make_store: ServerFactory) -> 
     [warning] = second.warnings
     assert warning.kind == "MODE_SPLIT"
     assert warning.other_mode_id == first.mode_id
-    assert "lookahead_tokens 1→0" in warning.message
+    assert "lookahead_tokens 1 there, 0 here" in warning.message
 
 
 def test_probe_disagreement_is_flagged_under_isolate_naming_the_seed(make_store: ServerFactory) -> None:
