@@ -290,6 +290,7 @@ class Engine:
         self.next_token = 1000
         self.outputs: list[Any] = []
         self.finished_sending_log: list[set[str]] = []
+        self.finished_recving_log: list[set[str]] = []
         self.step_log: list[dict[str, Any]] = []
         # req_id -> {block_id: index in the request's group-0 block table}, for tracked requests.
         self.block_index: dict[str, dict[int, int]] = {}
@@ -378,6 +379,7 @@ class Engine:
         stats = w.get_kv_connector_stats()
         w.clear_connector_metadata()
         self.finished_sending_log.append(set(results.finished_sending))
+        self.finished_recving_log.append(set(results.finished_recving))
         mro = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -388,6 +390,7 @@ class Engine:
             kv_connector_output=KVConnectorOutput(
                 finished_sending=set(results.finished_sending) or None,
                 finished_recving=set(results.finished_recving) or None,
+                failed_recving=set(results.failed_recving),
                 invalid_block_ids=errors,
                 kv_connector_stats=stats,
             ),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 from vllm.v1.request import RequestStatus
 
 from .harness import Engine, assert_scheduler_empty
@@ -83,3 +85,31 @@ def test_restarted_store_is_reconnected_and_used_again(
         time.sleep(0.2)
     assert engine.worker_connector.stats.totals["saved_blocks"] > saved_before, "saves resume after restart"
     assert engine.external_hit("hit-after-restart", prompt) == 2 * B
+
+
+def plant_unloadable_blocks(engine: Engine, request: Any, groups: tuple[int, ...]) -> int:
+    """Store values of the wrong size under a request's keys: lookups hit, every load fails."""
+    keys = engine.connector._sched().track(request).keys
+    keys.refresh()
+    n = keys.num_keyed_blocks()
+    engine.connector.client().put([(g, keys.key(j), b"\1" * 24, b"") for g in groups for j in range(n)])
+    return n
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["sync-load", "hybrid-async-load"])
+def test_blocks_that_fail_to_load_are_recomputed_and_the_request_finishes(
+    make_engine: Callable[..., Engine], store: StoreProcess, hybrid: bool
+) -> None:
+    engine = make_engine(store.endpoint, hybrid=hybrid, extra={"engine_id": f"bad-load-{hybrid}"})
+    block = engine.block_size
+    prompt = fresh_prompt(2 * block + 5)
+    request = engine.make_request("bad", prompt, 2)
+    assert plant_unloadable_blocks(engine, request, (0, 1) if hybrid else (0,)) == 2
+    assert engine.scheduler.recompute_kv_load_failures, "kvtag asks vLLM to recompute, not fail"
+    engine.requests["bad"] = request
+    engine.scheduler.add_request(request)
+    engine.run()
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert engine.worker_connector.stats.totals["load_errors"] >= 2
+    assert engine.connector.stats.totals["hit_tokens"] >= 2 * block
+    assert_scheduler_empty(engine.scheduler)

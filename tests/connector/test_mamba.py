@@ -59,11 +59,15 @@ def test_follow_up_gets_the_full_hybrid_hit_at_the_prompt_boundary(
     reader = make_engine(store.endpoint, hybrid=True, eagle=True, extra={"engine_id": "hybrid-r"})
     follow_up = [*prompt, *sampled, *fresh_prompt(20)]
     req = reader.add("b", follow_up, max_tokens=1)
-    hit, _ = reader.connector.get_num_new_matched_tokens(req, 0)
+    hit, is_async = reader.connector.get_num_new_matched_tokens(req, 0)
     assert hit == 2 * H, f"expected the full hybrid hit at the prompt boundary (128), got {hit}"
+    assert is_async, "hybrid loads are asynchronous: a failure is reported per request (failed_recving)"
+    reader.step()  # the scheduler allocates, the worker loads and reports finished_recving
+    load = reader.step_log[-1]["meta"].loads[0]
+    assert load.req_id == "b" and load.asynchronous
+    assert reader.finished_recving_log[-1] == {"b"}
     out = reader.step()
     assert out.num_scheduled_tokens["b"] == len(follow_up) - 2 * H, "the real scheduler takes the hit"
-    load = reader.step_log[-1]["meta"].loads[0]
     (state_load,) = [t for t in load.blocks if t.group == 1]
     assert reader.state[state_load.block_id].numpy().tobytes() == state_bytes(prompt, len(prompt))
 

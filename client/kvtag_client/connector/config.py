@@ -29,6 +29,7 @@ class KvtagConfig:
     engine_id: str = ""
     max_pending_save_bytes: int = 256 * 1024 * 1024
     save_batch_blocks: int = 64
+    recompute_on_load_failure: bool = True
 
 
 _FIELDS: dict[str, type] = {
@@ -45,6 +46,7 @@ _FIELDS: dict[str, type] = {
     "engine_id": str,
     "max_pending_save_bytes": int,
     "save_batch_blocks": int,
+    "recompute_on_load_failure": bool,
 }
 
 

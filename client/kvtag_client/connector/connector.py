@@ -9,6 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvtag.connector")
@@ -51,6 +53,16 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):
         self._siblings = compat.multi_connector_siblings()
         self._requested_lookahead: bool | None = None
         self.lookahead: LookaheadDecision = decide(vllm_config, self.config, None, self._siblings)
+        if (
+            self.config.recompute_on_load_failure
+            and self._kv_transfer_config.kv_load_failure_policy == "fail"
+        ):
+            # A block kvtag cannot load is a cache miss, not a failed request: the scheduler reads
+            # this policy right after constructing its connector.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            logger.info(
+                "kvtag: kv_load_failure_policy set to 'recompute' (blocks that fail to load are recomputed)"
+            )
         self.stats = StatsRecorder()
         self._client: Any = None
         self._scheduler: SchedulerSide | None = None
@@ -144,12 +156,15 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().num_new_matched_tokens(request, num_computed_tokens), False
+        scheduler = self._sched()
+        tokens = scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, tokens > 0 and scheduler.async_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._sched().after_alloc(request, num_external_tokens)
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+        self._sched().after_alloc(request, block_ids, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
         self._sched().track(request)
@@ -172,6 +187,11 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
         return self._sched().partial_tail(request, partial_tail_offloads)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = getattr(connector_output, "failed_recving", None)
+        if failed and self._scheduler is not None:
+            self._scheduler.loads_failed(set(failed))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -207,8 +227,20 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        done = self._worker.take_finished_sending()
-        return (done or None), None
+        sending = self._worker.take_finished_sending()
+        recving, failed = self._worker.take_recving()
+        return (sending or None), (recving | failed or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        recving, failed = self._worker.take_recving()
+        return KVConnectorTransferResults(
+            finished_sending=self._worker.take_finished_sending(),
+            # Failed receives are also finished: the scheduler releases the request and recomputes.
+            finished_recving=recving | failed,
+            failed_recving=failed,
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

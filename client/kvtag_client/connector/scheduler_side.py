@@ -36,6 +36,8 @@ class _Tracked:
     plan: _LoadPlan | None = None
     load_confirmed: bool = False
     counted_unencodable: bool = False
+    # A load for this request failed: it recomputes instead of asking the store again (and looping).
+    load_failed: bool = False
     # With audit on: every KV block this request saved, re-read from the engine when it finishes.
     saved: list[BlockTransfer] = field(default_factory=list)
 
@@ -61,6 +63,12 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._finish_jobs: dict[str, SaveJob] = {}
         self._ready_finish_jobs: list[SaveJob] = []
+        self._ready_loads: list[LoadJob] = []
+
+    @property
+    def async_loads(self) -> bool:
+        """Hybrid models load asynchronously: only failed_recving can report a failed load there."""
+        return self.groups.hybrid
 
     # ---- tracking ------------------------------------------------------------------------------
 
@@ -85,7 +93,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         tracked = self.track(request)
         keys = tracked.keys
-        if not keys.encodable:
+        if not keys.encodable or tracked.load_failed:
             return 0
         keys.refresh()
         block = self.geometry.block_size
@@ -155,7 +163,9 @@ class SchedulerSide:
         tracked.plan = None
         tracked.load_confirmed = False
 
-    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Any, block_ids: tuple[list[int], ...] | None, num_external_tokens: int
+    ) -> None:
         tracked = self.track(request)
         if num_external_tokens <= 0 or tracked.plan is None:
             self._drop_plan(tracked)
@@ -167,8 +177,22 @@ class SchedulerSide:
             tracked.load_confirmed = True
             self.stats.add("hit_tokens", num_external_tokens)
             computed = (plan.start_block + plan.num_blocks) * self.geometry.block_size
+            if self.async_loads and block_ids is not None:
+                # The request waits (WAITING_FOR_REMOTE_KVS) and is not scheduled until the load is
+                # reported, so the job goes out with the next metadata, whatever is scheduled.
+                job = self._load_job(request.request_id, tracked, block_ids)
+                job.asynchronous = True
+                self._ready_loads.append(job)
+                tracked.plan = None
+                tracked.load_confirmed = False
         # Blocks before this point are local or external hits: someone already stored them.
         tracked.next_save_block = max(tracked.next_save_block, computed // self.geometry.block_size)
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.load_failed = True
 
     # ---- per-step metadata ---------------------------------------------------------------------
 
@@ -216,6 +240,8 @@ class SchedulerSide:
 
         meta.saves.extend(self._ready_finish_jobs)
         self._ready_finish_jobs = []
+        meta.loads.extend(self._ready_loads)
+        self._ready_loads = []
         return meta
 
     def _load_job(self, req_id: str, tracked: _Tracked, block_ids: tuple[list[int], ...]) -> LoadJob:

@@ -38,6 +38,8 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._started: KvtagConnectorMetadata | None = None
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -59,7 +61,12 @@ class WorkerSide:
             if not job.after_forward:
                 self._save(job)
         for load in meta.loads:
-            self._load(load.req_id, load.blocks, load.lease_id)
+            failed = self._load(load.req_id, load.blocks, load.lease_id)
+            with self._lock:
+                if load.asynchronous:
+                    (self._failed_recving if failed else self._finished_recving).add(load.req_id)
+                elif failed:
+                    self._load_errors |= failed
 
     def finish_step(self, meta: KvtagConnectorMetadata) -> None:
         """After the forward: copy the Mamba states this step wrote and handed off."""
@@ -89,7 +96,8 @@ class WorkerSide:
             with self._lock:
                 self._finished_sending.add(job.req_id)
 
-    def _load(self, req_id: str, transfers: list[Any], lease_id: str) -> None:
+    def _load(self, req_id: str, transfers: list[Any], lease_id: str) -> set[int]:
+        """Scatter stored blocks into their engine blocks; returns the block ids that failed."""
         values = self._client().get([(t.group, t.key) for t in transfers], lease_id)
         failed: set[int] = set()
         loaded_bytes = 0
@@ -107,8 +115,7 @@ class WorkerSide:
             logger.warning(
                 "kvtag: %d block(s) of request %s failed to load; vLLM recomputes them", len(failed), req_id
             )
-            with self._lock:
-                self._load_errors |= failed
+        return failed
 
     # ---- reports -------------------------------------------------------------------------------
 
@@ -116,6 +123,13 @@ class WorkerSide:
         with self._lock:
             done, self._finished_sending = self._finished_sending, set()
         return done
+
+    def take_recving(self) -> tuple[set[str], set[str]]:
+        """(loaded, failed) asynchronous loads since the last call."""
+        with self._lock:
+            done, failed = self._finished_recving, self._failed_recving
+            self._finished_recving, self._failed_recving = set(), set()
+        return done, failed
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
