@@ -205,3 +205,24 @@ def test_concurrent_callers_always_read_exact_bytes(mooncake_backend: MooncakeBa
         assert sum(pool.map(worker, range(4))) == 4 * 20 * 8
     # Each block was stored exactly once, however the puts raced.
     assert mooncake_backend.lookup(ns, MODE, list(blocks)) == [KeyStatus.HIT] * len(blocks)
+
+
+def test_service_refuses_to_start_with_a_wrong_metrics_address(own_cluster: MooncakeCluster) -> None:
+    wrong = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [
+            str(KVTAG_STORE),
+            "serve",
+            "--listen=127.0.0.1:0",
+            "--metrics-listen=",
+            "--backend=mooncake",
+            f"--mooncake-master={own_cluster.master_address}",
+            f"--mooncake-metrics={wrong}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=mooncake_env(),
+    )
+    assert done.returncode == 1
+    assert f"metrics at {wrong} unreachable" in done.stderr

@@ -119,9 +119,16 @@ def settings_from(args: argparse.Namespace) -> MooncakeSettings:
 
 def build(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
     """Connect to the Mooncake cluster named by the flags."""
-    from kvtag_store.backends.mooncake import MooncakeBackend, connect
+    from kvtag_store.backends.mooncake import MooncakeBackend, connect, read_master_metrics
     from kvtag_store.backends.mooncake_census import MooncakeCensus
 
     settings = settings_from(args)
     client = connect(settings)
+    try:
+        # GetStats reads the master's metrics: a wrong --mooncake-metrics is a start-up error, not a
+        # surprise at the first scrape.
+        read_master_metrics(settings.metrics)
+    except Exception:
+        client.close()
+        raise
     return MooncakeBackend(client, settings), MooncakeCensus(client, settings.master)
