@@ -304,7 +304,7 @@ class Engine:
         conn = self.scheduler.connector
         if isinstance(conn, KvtagConnector):
             return conn
-        return next(c for c in conn._connectors if isinstance(c, KvtagConnector))  # type: ignore[union-attr]
+        return next(c for c in conn._connectors if isinstance(c, KvtagConnector))
 
     @property
     def worker_connector(self) -> KvtagConnector:

@@ -20,7 +20,7 @@ def serve_once(model_dir: Path, endpoint: str, engine_id: str) -> dict[str, Any]
     if __package__:
         from .harness import Setup
     else:  # run as a script: this directory is on sys.path
-        from harness import Setup  # type: ignore[import-not-found,no-redef]
+        from harness import Setup  # type: ignore[no-redef]
 
     engine = Setup(model_dir, endpoint, extra={"key_scheme": "vllm", "engine_id": engine_id}).build()
     hit = engine.external_hit("probe", PROMPT)

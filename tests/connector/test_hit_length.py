@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from kvtag_client import keys as keys_mod
@@ -37,7 +38,7 @@ def external_hit(
     return hit
 
 
-MODES = {
+MODES: dict[str, dict[str, Any]] = {
     "spec_off": {"extra": {"engine_id": "spec-off"}},
     "eagle_lookahead": {"eagle": True, "extra": {"engine_id": "eagle-la"}},
     "eagle_legacy": {"eagle": True, "extra": {"engine_id": "eagle-legacy", "lookahead": "off"}},

@@ -20,7 +20,7 @@ H = 64  # block size of the hybrid recipe (hash blocks of 16 tokens inside)
 
 
 def state_bytes(tokens: list[int], upto: int) -> bytes:
-    return torch.full(MAMBA_STATE, state_value(tokens, upto)).numpy().tobytes()
+    return bytes(torch.full(MAMBA_STATE, state_value(tokens, upto)).numpy().tobytes())
 
 
 def test_follow_up_gets_the_full_hybrid_hit_at_the_prompt_boundary(

@@ -52,6 +52,6 @@ def test_when_every_child_supports_lookahead_it_stays_on(
     make_engine: Callable[..., Engine], store: StoreProcess
 ) -> None:
     engine = make_engine(store.endpoint, eagle=True, multi_with=[kvtag_child(store.endpoint, "second-child")])
-    children = engine.scheduler.connector._connectors  # type: ignore[union-attr]
+    children = engine.scheduler.connector._connectors
     assert len(children) == 2
     assert all(child.lookahead_tokens == 1 for child in children)

@@ -67,7 +67,7 @@ def worker_only(models: dict[str, Path], endpoint: str) -> tuple[KvtagConnector,
 
 def run_step(worker: KvtagConnector, meta: KvtagConnectorMetadata) -> tuple[set[str], set[int]]:
     worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.start_load_kv(None)
     worker.wait_for_save()
     sending, _ = worker.get_finished(set())
     errors = worker.get_block_ids_with_load_errors()

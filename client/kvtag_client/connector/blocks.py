@@ -22,7 +22,7 @@ class LayerView:
         count = 1
         for size in shape:
             count *= size
-        return count * self.tensor.element_size()
+        return count * int(self.tensor.element_size())
 
 
 class UnsupportedLayout(ValueError):

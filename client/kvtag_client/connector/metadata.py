@@ -51,7 +51,7 @@ class SaveJob:
 
 
 @dataclass
-class KvtagConnectorMetadata(KVConnectorMetadata):
+class KvtagConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
 
