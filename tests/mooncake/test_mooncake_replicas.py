@@ -110,3 +110,16 @@ def test_restarted_replica_serves_what_mooncake_still_holds(replicas: Pair) -> N
     one.start()
     s1 = one.open(ns, mode(), "engine-1").session_id
     assert [r.value for r in one.get(s1, b"kept")] == [b"survives a restart"]
+
+
+def test_both_replicas_report_the_clusters_figures(replicas: Pair) -> None:
+    one, two = replicas
+    ns = namespace(fresh_model())
+    s1 = one.open(ns, mode(), "engine-1").session_id
+    one.put(s1, (b"counted", bytes(4096)))
+    first = one.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    second = two.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    assert first.backend == second.backend == "mooncake"
+    assert first.capacity_bytes == second.capacity_bytes > 0
+    assert second.used_bytes >= 4096
+    assert second.keys >= 1
