@@ -7,6 +7,7 @@ the API layer unpins it, so this module stays backend-agnostic and testable.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -56,6 +57,10 @@ class SessionTable:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, Lease] = {}
+        # Lease ids need only be unique: a lease is released only by the session that owns it.
+        # A counter avoids a getrandom call on every Lookup.
+        self._lease_prefix = secrets.token_hex(4)
+        self._lease_serial = itertools.count(1)
 
     def open(self, engine_id: str, namespace_id: str, mode_id: str, labels: dict[str, str]) -> Session:
         wall = now_ms()
@@ -95,7 +100,7 @@ class SessionTable:
         self, session: Session, namespace_id: str, addresses: Sequence[BlockAddress], lease_ms: int
     ) -> str:
         lease = Lease(
-            lease_id="l-" + secrets.token_hex(12),
+            lease_id=f"l-{self._lease_prefix}-{next(self._lease_serial):x}",
             session_id=session.session_id,
             namespace_id=namespace_id,
             addresses=addresses,
