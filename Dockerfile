@@ -6,7 +6,7 @@
 # Build with `podman build --format docker` so the HEALTHCHECK is kept (OCI images drop it).
 # BASE_IMAGE is any Debian bookworm-based image with python3 (3.11) and its venv module;
 # CI passes the local base made by scripts/build_base_image.sh.
-ARG BASE_IMAGE=python:3.11-slim
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: the service venv in /opt/kvtag ----
 FROM ${BASE_IMAGE} AS build
