@@ -704,7 +704,29 @@ def machine_info() -> dict[str, Any]:
         "grpcio": grpc.__version__,
         "protobuf_implementation": api_implementation.Type(),
         "loadavg_start": os.getloadavg(),
+        "kvtag_commit": git_describe(),
     }
+
+
+def git_describe() -> str:
+    """The commit measured, with "+dirty" when the service or proto sources differ from it."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--", "store_service", "proto"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
@@ -712,6 +734,7 @@ def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
     return [
         exe, "serve", "--listen", f"127.0.0.1:{port}", "--metrics-listen", "",
         "--capacity", args.capacity, "--workers", str(args.workers), "--log-level", "warning",
+        *args.kvtag_arg,
     ]  # fmt: skip
 
 
@@ -1031,6 +1054,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--py-spy", default=None, help="py-spy executable (default: beside python, or PATH)")
     parser.add_argument("--kvtag-store", default=None, help="kvtag-store executable (default: beside python)")
+    parser.add_argument(
+        "--kvtag-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra kvtag-store serve argument, e.g. --kvtag-arg=--verify-on-lookup=off (repeatable)",
+    )
     parser.add_argument(
         "--server-env",
         action="append",
