@@ -21,6 +21,7 @@ echo "build_base_image: building $image with mmdebstrap" >&2
 # stdout and straight into `podman import`.
 # merged-usr hook: sets up the merged /usr layout without the usrmerge package (which
 # would pull in perl). The path excludes drop docs, man pages and translations.
+# shellcheck disable=SC2016 # mmdebstrap expands $1 (the new root) in each hook itself
 mmdebstrap --quiet --variant=minbase --mode=root --format=tar \
   --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
   --dpkgopt='path-exclude=/usr/share/man/*' \
