@@ -608,16 +608,15 @@ IDLE_MARKERS = (
 # The first named frame from the leaf decides the cost bucket (unnamed libc addresses are memcpy,
 # malloc or a page fault inside them, attributed to whoever called them).
 BUCKETS = (
-    (("upb_Encode", "upb_Encoder", "encode_", "upb_BackAlloc", "SerializeInternal"), "protobuf serialize"),
-    (("upb_Decode", "_upb_Decoder", "PyUpb_Message_MergeFromString", "FromString"), "protobuf parse"),
+    (("upb_Encode", "upb_Encoder", "encode_scalar", "encode_message", "encode_array", "encode_growbuffer"),
+     "protobuf serialize"),
+    (("upb_BackAlloc", "SerializeInternal"), "protobuf serialize"),
+    (("upb_Decode", "_upb_Decoder", "PyUpb_Message_MergeFromString"), "protobuf parse"),
     (("PyUpb", "upb_"), "protobuf message build / field access"),
-    (("crc32",), "checksum (zlib.crc32)"),
-    (("cygrpc", "libgrpc", "grpc_"), "gRPC core + Cython binding"),
-    (("libz.so",), "checksum (zlib.crc32)"),
-    (("kvtag_store/",), "kvtag_store Python code"),
-    (("grpc/",), "grpc Python server code"),
+    (("crc32", "libz.so"), "checksum (zlib.crc32)"),
+    (("cygrpc", "libgrpc"), "gRPC core + Cython binding"),
     (("libpython", "python3", "Py", "_Py"), "CPython interpreter"),
-)
+)  # fmt: skip
 
 
 def frame_name(frame: str) -> str:
@@ -640,6 +639,10 @@ def deciding_frame(stack: Sequence[str]) -> str:
 def classify(stack: Sequence[str]) -> str:
     """A cost bucket for one busy py-spy --native stack (leaf last)."""
     frame = deciding_frame(stack)
+    if ".py:" in frame:
+        if "kvtag_store/" in frame:
+            return "kvtag_store Python code"
+        return "grpc Python server code" if "grpc/" in frame else "other Python: " + frame_name(frame)
     for markers, bucket in BUCKETS:
         if any(m in frame for m in markers):
             return bucket
