@@ -157,3 +157,27 @@ def test_audit_counts_a_block_that_changed_after_it_was_saved(
     totals = engine.worker_connector.stats.totals
     assert totals["audit_checked_blocks"] >= 3, totals
     assert totals["audit_mismatches"] == 1, totals
+
+
+def test_audit_only_compares_copies_this_engine_stored(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    """Another engine's copy of a block may differ in low bits after a recompute: not a timing error."""
+    engine = make_engine(store.endpoint, eagle=True, extra={"audit": True, "engine_id": "audit-others"})
+    prompt = fresh_prompt(3 * B)
+    request = engine.make_request("a", prompt, 4)
+    keys = engine.connector._sched().track(request).keys
+    keys.refresh()
+    # "Another engine" stored different bytes first; this engine's puts answer ALREADY_PRESENT.
+    size = len(expected_bytes(engine, [*prompt, 0], 0))
+    engine.connector.client().put(
+        [(0, keys.key(j), b"\7" * size, b"") for j in range(keys.num_keyed_blocks())]
+    )
+    request.skip_reading_prefix_cache = True  # compute it here instead of loading the other copy
+    engine.requests["a"] = request
+    engine.scheduler.add_request(request)
+    engine.run()
+    engine.drain_saves()
+    totals = engine.worker_connector.stats.totals
+    assert totals["saved_blocks"] >= 3
+    assert totals["audit_mismatches"] == 0, totals

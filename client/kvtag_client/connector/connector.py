@@ -78,6 +78,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
                 self.stats,
                 self.config.max_pending_save_bytes,
                 self.config.save_batch_blocks,
+                self.config.audit,
             )
 
     # ---- mode ----------------------------------------------------------------------------------

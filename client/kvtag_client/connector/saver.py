@@ -40,11 +40,17 @@ class Saver:
         stats: StatsRecorder,
         max_pending_bytes: int,
         batch_blocks: int,
+        audit: bool = False,
     ) -> None:
         self._client = client_getter
         self._stats = stats
         self._max_pending = max_pending_bytes
         self._batch = max(1, batch_blocks)
+        self._audit = audit
+        # Audit: (group, key) this engine stored (STORED, not ALREADY_PRESENT), per request. A copy
+        # another engine stored may differ in low bits (a recompute is not bit-exact) without any
+        # timing error, so only our own copies are compared.
+        self._stored_here: dict[str, set[tuple[int, bytes]]] = {}
         self._queue: queue.Queue[PendingPut | tuple[str, list[tuple[int, bytes, bytes]]] | None] = (
             queue.Queue()
         )
@@ -111,14 +117,20 @@ class Saver:
                 self._stats.add("dropped_saves", len(batch))
                 self._stats.add("degraded_calls")
                 continue
-            for (_, _, value, _), status in zip(batch, statuses, strict=False):
+            for (group, key, value, _), status in zip(batch, statuses, strict=False):
                 if status in (pb.STORED, pb.ALREADY_PRESENT):
                     self._stats.add("saved_blocks")
                     self._stats.add("saved_bytes", len(value))
+                    if self._audit and status == pb.STORED:
+                        self._stored_here.setdefault(work.req_id, set()).add((group, key))
                 else:
                     self._stats.add("dropped_saves")
 
     def _check(self, req_id: str, engine_blocks: list[tuple[int, bytes, bytes]]) -> None:
+        ours = self._stored_here.pop(req_id, set())
+        engine_blocks = [(g, k, b) for g, k, b in engine_blocks if (g, k) in ours]
+        if not engine_blocks:
+            return
         values = self._client().get([(group, key) for group, key, _ in engine_blocks])
         for (group, key, engine_bytes), value in zip(engine_blocks, values, strict=False):
             if value is None:

@@ -29,12 +29,13 @@ class WorkerSide:
         stats: StatsRecorder,
         max_pending_save_bytes: int,
         save_batch_blocks: int,
+        audit: bool = False,
     ) -> None:
         self._kv_cache_config = kv_cache_config
         self._client = client_getter
         self._stats = stats
         self._views: list[list[LayerView]] = []
-        self.saver = Saver(client_getter, stats, max_pending_save_bytes, save_batch_blocks)
+        self.saver = Saver(client_getter, stats, max_pending_save_bytes, save_batch_blocks, audit)
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
