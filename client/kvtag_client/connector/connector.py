@@ -67,7 +67,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
         self._client: Any = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._requests: dict[str, Request] = {}
+        self._reported_degraded = 0
         logger.info(
             "kvtag connector (%s): lookahead %d (%s)", role.name, self.lookahead.tokens, self.lookahead.reason
         )
@@ -265,8 +265,6 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
             self.stats.add("degraded_calls", degraded - self._reported_degraded)
             self._reported_degraded = degraded
         return self.stats.take()
-
-    _reported_degraded = 0
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

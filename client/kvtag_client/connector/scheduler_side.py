@@ -1,45 +1,23 @@
-"""Scheduler-side connector: external hit lengths, load plans, save planning and finish-time jobs."""
+"""Scheduler-side connector: external hit lengths and load plans; saves are planned in planning.py."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 
-from . import compat, mamba
+from . import compat
 from .config import KvtagConfig
 from .groups import CacheGroups
-from .metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob, SaveJob
+from .metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob
 from .namespace import Geometry
+from .planning import SavePlanner
 from .stats import StatsRecorder
-from .tracking import RequestKeys
+from .tracking import LoadPlan, RequestKeys, RequestState
 
 logger = logging.getLogger("kvtag.connector")
-
-
-@dataclass
-class _LoadPlan:
-    start_block: int
-    num_blocks: int
-    lease_id: str
-    # (start_block, keyed blocks) the plan was computed for: repeat queries reuse it.
-    query: tuple[int, int]
-
-
-@dataclass
-class _Tracked:
-    keys: RequestKeys
-    next_save_block: int = 0
-    state_stored: set[int] = field(default_factory=set)
-    plan: _LoadPlan | None = None
-    load_confirmed: bool = False
-    counted_unencodable: bool = False
-    # A load for this request failed: it recomputes instead of asking the store again (and looping).
-    load_failed: bool = False
-    # With audit on: every KV block this request saved, re-read from the engine when it finishes.
-    saved: list[BlockTransfer] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -60,9 +38,8 @@ class SchedulerSide:
         self.eagle_block_drop = eagle_block_drop
         self.client = client
         self.stats = stats
-        self._requests: dict[str, _Tracked] = {}
-        self._finish_jobs: dict[str, SaveJob] = {}
-        self._ready_finish_jobs: list[SaveJob] = []
+        self._requests: dict[str, RequestState] = {}
+        self.planner = SavePlanner(config, geometry, groups, stats)
         self._ready_loads: list[LoadJob] = []
 
     @property
@@ -72,11 +49,11 @@ class SchedulerSide:
 
     # ---- tracking ------------------------------------------------------------------------------
 
-    def track(self, request: Any) -> _Tracked:
+    def track(self, request: Any) -> RequestState:
         tracked = self._requests.get(request.request_id)
         if tracked is None or tracked.keys.request is not request:
             keys = RequestKeys(request, self.geometry, self.lookahead, self.config.key_scheme)
-            tracked = _Tracked(keys=keys)
+            tracked = RequestState(keys=keys)
             self._requests[request.request_id] = tracked
             if not keys.encodable:
                 tracked.counted_unencodable = True
@@ -113,7 +90,7 @@ class SchedulerSide:
             if hit.lease_id:
                 self.client.release(hit.lease_id)
             return 0
-        tracked.plan = _LoadPlan(start, hit.num_blocks, hit.lease_id, query)
+        tracked.plan = LoadPlan(start, hit.num_blocks, hit.lease_id, query)
         return hit.num_blocks * block
 
     @dataclass
@@ -157,7 +134,7 @@ class SchedulerSide:
         self.stats.add("miss_blocks", count - usable)
         return self._Hit(usable, result.lease_id)
 
-    def _drop_plan(self, tracked: _Tracked) -> None:
+    def _drop_plan(self, tracked: RequestState) -> None:
         if tracked.plan is not None and tracked.plan.lease_id and not tracked.load_confirmed:
             self.client.release(tracked.plan.lease_id)
         tracked.plan = None
@@ -204,15 +181,9 @@ class SchedulerSide:
             tracked = self._requests.get(req_id)
             if tracked is None or not tracked.keys.encodable or req_id in preempted:
                 continue
-            transfers = mamba.boundary_transfers(
-                tracked.keys,
-                offloads,
-                self.groups.state_groups,
-                self.geometry.block_size,
-                tracked.state_stored,
-            )
-            if transfers:
-                meta.saves.append(SaveJob(req_id, transfers, after_forward=True))
+            handoff = self.planner.boundary_save(req_id, tracked, offloads)
+            if handoff is not None:
+                meta.saves.append(handoff)
 
         scheduled = list(scheduler_output.num_scheduled_tokens)
         for req_id in scheduled:
@@ -228,7 +199,7 @@ class SchedulerSide:
                 tracked.load_confirmed = False
             if req_id in preempted:
                 continue
-            save = self._save_job(req_id, tracked, block_ids)
+            save = self.planner.step_save(req_id, tracked, block_ids)
             if save is not None:
                 meta.saves.append(save)
 
@@ -238,13 +209,12 @@ class SchedulerSide:
                 tracked.next_save_block = 0
                 tracked.state_stored.clear()
 
-        meta.saves.extend(self._ready_finish_jobs)
-        self._ready_finish_jobs = []
+        meta.saves.extend(self.planner.take_finish_jobs())
         meta.loads.extend(self._ready_loads)
         self._ready_loads = []
         return meta
 
-    def _load_job(self, req_id: str, tracked: _Tracked, block_ids: tuple[list[int], ...]) -> LoadJob:
+    def _load_job(self, req_id: str, tracked: RequestState, block_ids: tuple[list[int], ...]) -> LoadJob:
         plan = tracked.plan
         assert plan is not None
         keys = tracked.keys
@@ -260,83 +230,20 @@ class SchedulerSide:
         tracked.state_stored.add(last)
         return LoadJob(req_id, transfers, plan.lease_id)
 
-    def _save_transfers(
-        self, tracked: _Tracked, block_ids: tuple[list[int], ...] | list[list[int]], num_computed: int
-    ) -> list[BlockTransfer]:
-        """KV blocks complete before this step and keyed: max_save_tokens = keyed blocks * block size."""
-        keys = tracked.keys
-        if not keys.encodable:
-            return []
-        keys.refresh()
-        upto = min(num_computed // self.geometry.block_size, keys.num_keyed_blocks())
-        transfers: list[BlockTransfer] = []
-        for j in range(tracked.next_save_block, upto):
-            for group in self.groups.kv_groups:
-                if j < len(block_ids[group]) and block_ids[group][j] != 0:
-                    transfers.append(BlockTransfer(group, block_ids[group][j], keys.key(j), keys.base_key(j)))
-        tracked.next_save_block = max(tracked.next_save_block, upto)
-        if self.config.audit:
-            tracked.saved.extend(transfers)
-        return transfers
-
-    def _save_job(self, req_id: str, tracked: _Tracked, block_ids: tuple[list[int], ...]) -> SaveJob | None:
-        # num_computed_tokens is read before the scheduler advances it for this step, so these blocks
-        # were completed (target and drafter KV) in an earlier step: the one-step-later emission.
-        transfers = self._save_transfers(tracked, block_ids, tracked.keys.request.num_computed_tokens)
-        return SaveJob(req_id, transfers) if transfers else None
-
     # ---- finish --------------------------------------------------------------------------------
 
     def partial_tail(self, request: Any, offloads: list[tuple[int, int, int]]) -> bool:
         tracked = self._requests.get(request.request_id)
-        if tracked is None or not tracked.keys.encodable or _aborted(request):
+        if tracked is None or _aborted(request):
             return False
-        transfers = mamba.boundary_transfers(
-            tracked.keys, offloads, self.groups.state_groups, self.geometry.block_size, tracked.state_stored
-        )
-        if not transfers:
-            return False
-        job = self._finish_jobs.setdefault(request.request_id, SaveJob(request.request_id, [], finish=True))
-        job.blocks.extend(transfers)
-        return True
+        return self.planner.partial_tail(request.request_id, tracked, offloads)
 
     def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:
         """Register the finish-time job; True means the blocks stay pinned until finished_sending."""
-        req_id = request.request_id
-        tracked = self._requests.pop(req_id, None)
-        job = self._finish_jobs.pop(req_id, None)
+        tracked = self._requests.pop(request.request_id, None)
         if tracked is not None:
             self._drop_plan(tracked)
-        if tracked is None or _aborted(request) or not tracked.keys.encodable:
-            if job is not None:
-                # The core already kept the blocks for the partial tail: release them at once.
-                self.stats.add("cancelled_jobs")
-                job.blocks.clear()
-                self._ready_finish_jobs.append(job)
-                return True
-            return False
-        job = job or SaveJob(req_id, [], finish=True)
-        computed = request.num_computed_tokens
-        job.blocks.extend(self._save_transfers(tracked, block_ids, computed))
-        if self.groups.hybrid:
-            job.blocks.extend(
-                mamba.final_state_transfers(
-                    tracked.keys,
-                    block_ids,
-                    self.groups.state_groups,
-                    computed,
-                    self.geometry.block_size,
-                    tracked.state_stored,
-                )
-            )
-        if self.config.audit:
-            # Audit reads the request's saved blocks once final; delay_free keeps them from reuse.
-            job.audit = list(tracked.saved)
-        if not job.blocks and not job.audit:
-            return False
-        self.stats.add("finish_jobs")
-        self._ready_finish_jobs.append(job)
-        return True
+        return self.planner.finished(request, tracked, block_ids, _aborted(request))
 
     def close(self) -> None:
         for tracked in self._requests.values():

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvtag_client.keys import ExtraKeys, KeyChain, UnencodableExtraKeys
 
+from .metadata import BlockTransfer
 from .namespace import Geometry, vllm_lookahead_key
 
 
@@ -108,3 +109,30 @@ class RequestKeys:
         index = (block + 1) * self.geometry.hashes_per_block - 1
         base = self._chain.base_keys
         return bytes(base[index]) if index < len(base) else b""
+
+
+@dataclass
+class LoadPlan:
+    """An external hit found by a lookup, waiting for the scheduler to allocate blocks for it."""
+
+    start_block: int
+    num_blocks: int
+    lease_id: str
+    # (start_block, keyed blocks) the plan was computed for: repeat queries reuse it.
+    query: tuple[int, int]
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side remembers about one request."""
+
+    keys: RequestKeys
+    next_save_block: int = 0
+    state_stored: set[int] = field(default_factory=set)
+    plan: LoadPlan | None = None
+    load_confirmed: bool = False
+    counted_unencodable: bool = False
+    # A load for this request failed: it recomputes instead of asking the store again (and looping).
+    load_failed: bool = False
+    # With audit on: every KV block this request saved, re-read from the engine when it finishes.
+    saved: list[BlockTransfer] = field(default_factory=list)
