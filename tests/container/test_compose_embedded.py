@@ -10,6 +10,8 @@ from kvtag.v1 import store_pb2 as pb
 from . import kvtag_calls as kc
 from . import podman as pm
 
+pytestmark = pytest.mark.slow  # real podman containers
+
 
 @pytest.fixture(scope="module")
 def embedded_stack(image: str) -> Iterator[tuple[pm.ComposeProject, pm.Deployment]]:

@@ -18,6 +18,8 @@ from kvtag_proto.errors import parse_error
 from . import kvtag_calls as kc
 from . import podman as pm
 
+pytestmark = pytest.mark.slow  # real podman containers
+
 
 def test_health_service_reports_serving_on_the_published_port(deployment: pm.Deployment) -> None:
     with kc.channel(deployment.target) as chan:

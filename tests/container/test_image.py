@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from . import podman as pm
+
+pytestmark = pytest.mark.slow  # real podman containers
 
 
 def test_image_runs_as_non_root_and_declares_ports_health_and_stop_signal(image: str) -> None:
