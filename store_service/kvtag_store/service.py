@@ -40,6 +40,12 @@ MESSAGE_OVERHEAD = 1 << 20
 STREAM_MESSAGE_BYTES = (4 << 20) - (64 << 10)
 _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 
+_SHM_REFUSED = PutResult(
+    PutOutcome.REJECTED,
+    "data path not negotiated: this session uses DATA_PATH_INLINE; send the bytes in `value`",
+)
+_NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
+
 R = TypeVar("R")
 _GROUP_KEY = attrgetter("group", "key")
 
@@ -266,37 +272,45 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             counter.labels(KEY_STATUS_NAMES[pb.MODE_MISMATCH]).inc(mismatches)
 
     def _put_items(
-        self, session: Session, items: Iterable[wire.PutItemView], results: list[pb.PutResult]
+        self, session: Session, items: Sequence[wire.PutItemView], results: list[pb.PutResult]
     ) -> None:
+        """All value items of the request go to the backend in one put_many call (a batch backend
+        amortises its round trips); items without an inline value are refused in place."""
         ns_id, mode_id = session.namespace_id, session.mode_id
-        outcomes: Counter[int] = Counter()
-        base_keys: list[tuple[int, bytes]] = []
-        stored_bytes = 0
-        for item in items:
-            group, key = item.group, item.key
+        outcomes: list[PutResult | None] = [None] * len(items)
+        batch: list[tuple[BlockAddress, bytes]] = []
+        batch_index: list[int] = []
+        for index, item in enumerate(items):
             payload = item.payload
             if payload == "value":
-                value = item.value
-                result = self.backend.put(ns_id, mode_id, (group, BlockKey(key)), value)
-                if result.outcome is PutOutcome.STORED:
-                    stored_bytes += len(value)
+                batch.append(((item.group, BlockKey(item.key)), item.value))
+                batch_index.append(index)
             elif payload == "shared_memory":
-                result = PutResult(
-                    PutOutcome.REJECTED,
-                    "data path not negotiated: this session uses DATA_PATH_INLINE; send the bytes in `value`",
-                )
+                outcomes[index] = _SHM_REFUSED
             else:
-                result = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
-            outcomes[result.outcome] += 1
-            if item.base_key and result.outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
-                base_keys.append((group, item.base_key))
-            results.append(pb.PutResult(status=result.outcome, reason=result.reason))  # type: ignore[arg-type]
+                outcomes[index] = _NO_PAYLOAD
+        if batch:
+            stored = self.backend.put_many(ns_id, mode_id, batch)
+            if len(stored) != len(batch):
+                raise RuntimeError(f"backend put_many returned {len(stored)} results for {len(batch)} items")
+            for index, result in zip(batch_index, stored, strict=True):
+                outcomes[index] = result
+        counts: Counter[PutOutcome] = Counter()
+        base_keys: list[tuple[int, bytes]] = []
+        stored_bytes = 0
+        for item, maybe in zip(items, outcomes, strict=True):
+            result = maybe if maybe is not None else _NO_PAYLOAD
+            outcome = result.outcome
+            counts[outcome] += 1
+            if outcome is PutOutcome.STORED:
+                stored_bytes += len(item.value)
+            if item.base_key and outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
+                base_keys.append((item.group, item.base_key))
+            results.append(pb.PutResult(status=outcome, reason=result.reason))  # type: ignore[arg-type]
         if base_keys:
             self.base_index.record(ns_id, mode_id, base_keys)
-        self.census.count(
-            session, conflicts=outcomes[PutOutcome.CONFLICT], stored=outcomes[PutOutcome.STORED]
-        )
-        for outcome, count in outcomes.items():
+        self.census.count(session, conflicts=counts[PutOutcome.CONFLICT], stored=counts[PutOutcome.STORED])
+        for outcome, count in counts.items():
             self.metrics.put_items.labels(PUT_STATUS_NAMES[outcome]).inc(count)  # type: ignore[index]
         if stored_bytes:
             self.metrics.put_bytes.inc(stored_bytes)

@@ -124,6 +124,49 @@ class BackendContract:
         assert result.reason
         assert store.lookup(ns, MODE_A, [addr("huge")]) == [KeyStatus.MISS]
 
+    def test_put_many_answers_each_item_in_request_order(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        items = [(addr(f"k{i}"), f"value-{i}".encode() * (i + 1)) for i in range(8)]
+        results = store.put_many(ns, MODE_A, items)
+        assert [r.outcome for r in results] == [PutOutcome.STORED] * 8
+        read = store.get(ns, MODE_A, [a for a, _ in reversed(items)])
+        assert [r.value for r in read] == [v for _, v in reversed(items)]
+
+    def test_put_many_mixes_stored_present_conflict_and_rejected_in_one_batch(
+        self, backend: Pair, ns: str
+    ) -> None:
+        store, _ = backend
+        store.put(ns, MODE_A, addr("present"), b"old-a")
+        store.put(ns, MODE_B, addr("other-mode"), b"old-b")
+        too_big = store.max_value_bytes + 1
+        if too_big > 64 << 20:
+            pytest.skip("max_value_bytes too large to allocate a larger value in a test")
+        items = [
+            (addr("new-1"), b"fresh-1"),
+            (addr("present"), b"new-a"),
+            (addr("other-mode"), b"new-b"),
+            (addr("huge"), bytes(too_big)),
+            (addr("new-2"), b"fresh-2"),
+            (addr("new-1"), b"repeat"),
+        ]
+        results = store.put_many(ns, MODE_A, items)
+        assert [r.outcome for r in results] == [
+            PutOutcome.STORED,
+            PutOutcome.ALREADY_PRESENT,
+            PutOutcome.CONFLICT,
+            PutOutcome.REJECTED,
+            PutOutcome.STORED,
+            PutOutcome.ALREADY_PRESENT,
+        ]
+        assert results[2].reason and results[3].reason
+        read = store.get(ns, MODE_A, [addr("new-1"), addr("present"), addr("other-mode"), addr("huge")])
+        assert [r.value for r in read] == [b"fresh-1", b"old-a", None, None]
+        assert [r.status for r in read][2:] == [KeyStatus.MODE_MISMATCH, KeyStatus.MISS]
+
+    def test_put_many_of_nothing_returns_nothing(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        assert store.put_many(ns, MODE_A, []) == []
+
     def test_pins_nest_and_unpinning_unknown_blocks_is_harmless(self, backend: Pair, ns: str) -> None:
         store, _ = backend
         store.put(ns, MODE_A, addr("k"), b"v")

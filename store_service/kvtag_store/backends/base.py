@@ -77,6 +77,12 @@ class BlockBackend(Protocol):
 
     def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult: ...
 
+    def put_many(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
+    ) -> list[PutResult]:
+        """`put` for a batch, results in item order; a repeated address is judged after the first
+        (ALREADY_PRESENT). One call per request lets a backend amortise its round trips."""
+
     def lookup(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> list[KeyStatus]: ...

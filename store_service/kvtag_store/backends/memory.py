@@ -27,6 +27,9 @@ from kvtag_store.backends.base import (
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
 _MISMATCH = KeyStatus.MODE_MISMATCH
+# Results without a reason are immutable and shared: no allocation per stored item.
+_STORED = PutResult(PutOutcome.STORED)
+_ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
 
 # (namespace_id, (group, key)): a block's address across the whole store.
 _StoreKey = tuple[str, BlockAddress]
@@ -99,6 +102,27 @@ class MemoryBackend:
     # -- writes -------------------------------------------------------------
 
     def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult:
+        return self.put_many(namespace_id, mode_id, [(address, value)])[0]
+
+    def put_many(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
+    ) -> list[PutResult]:
+        """Checksums first, outside the lock (CRC-32 releases the GIL); then the whole batch under one
+        lock acquisition, item by item in order, so a repeated address sees the earlier item."""
+        crcs = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
+        with self._lock:
+            ns = self._namespaces.get(namespace_id)
+            if ns is None:
+                ns = self._namespaces[namespace_id] = _Namespace()
+            return [
+                self._put_locked(namespace_id, ns, mode_id, address, value, crc)
+                for (address, value), crc in zip(items, crcs, strict=True)
+            ]
+
+    def _put_locked(
+        self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, value: bytes, crc: int
+    ) -> PutResult:
+        """One item of put_many. Caller holds the lock."""
         size = len(value)
         if size > self._capacity:
             return PutResult(
@@ -106,33 +130,28 @@ class MemoryBackend:
                 f"value of {size} bytes exceeds the store capacity of {self._capacity} bytes; "
                 "raise --capacity or store smaller blocks",
             )
-        crc = checksum(value)
-        with self._lock:
-            ns = self._namespaces.get(namespace_id)
-            if ns is None:
-                ns = self._namespaces[namespace_id] = _Namespace()
-            existing = ns.entries.get(address)
-            if existing is not None:
-                if existing.mode_id != mode_id:
-                    return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
-                self._lru.move_to_end((namespace_id, address))
-                return PutResult(PutOutcome.ALREADY_PRESENT)
-            if self._used + size > self._capacity and not self._make_room(size):
-                return PutResult(
-                    PutOutcome.REJECTED,
-                    f"store full of leased blocks: {self._pinned_bytes()} of {self._capacity} bytes are "
-                    "leased; release leases (Get with lease_id, ReleaseLeases) or raise --capacity",
-                )
-            entry = _Entry(mode_id, value, crc)
-            ns.entries[address] = entry
-            mode_entries = ns.by_mode.get(mode_id)
-            if mode_entries is None:
-                mode_entries = ns.by_mode[mode_id] = {}
-            mode_entries[address] = entry
-            self._lru[(namespace_id, address)] = None
-            ns.used_bytes += size
-            self._used += size
-            return PutResult(PutOutcome.STORED)
+        existing = ns.entries.get(address)
+        if existing is not None:
+            if existing.mode_id != mode_id:
+                return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
+            self._lru.move_to_end((namespace_id, address))
+            return _ALREADY_PRESENT
+        if self._used + size > self._capacity and not self._make_room(size):
+            return PutResult(
+                PutOutcome.REJECTED,
+                f"store full of leased blocks: {self._pinned_bytes()} of {self._capacity} bytes are "
+                "leased; release leases (Get with lease_id, ReleaseLeases) or raise --capacity",
+            )
+        entry = _Entry(mode_id, value, crc)
+        ns.entries[address] = entry
+        mode_entries = ns.by_mode.get(mode_id)
+        if mode_entries is None:
+            mode_entries = ns.by_mode[mode_id] = {}
+        mode_entries[address] = entry
+        self._lru[(namespace_id, address)] = None
+        ns.used_bytes += size
+        self._used += size
+        return _STORED
 
     def _pinned_bytes(self) -> int:
         """Bytes held by leases. Caller holds the lock. O(pinned keys): only needed when the store is full."""
