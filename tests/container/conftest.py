@@ -34,7 +34,7 @@ def mooncake_image() -> str:
 
 
 def _single_container(image: str) -> Iterator[pm.Deployment]:
-    deployment = pm.run_service(image, {"KVTAG_POLICY": "strict", "KVTAG_CAPACITY": "64MiB"})
+    deployment = pm.run_service(image, {"KVTAG_POLICY": "strict", "KVTAG_CAPACITY": "64MiB"}, 64 << 20)
     try:
         pm.wait_healthy(deployment.name)
         yield deployment
@@ -61,7 +61,13 @@ def _mooncake_stack(mooncake_image: str) -> Iterator[pm.Deployment]:
         pm.wait_healthy(stack.container("mooncake-master"))
         pm.wait_healthy(name, timeout_s=90)
         yield pm.Deployment(
-            name=name, grpc_port=grpc_port, metrics_port=metrics_port, backend="mooncake", stack=stack
+            name=name,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            backend="mooncake",
+            # kvtag contributes no segment (segment size 0): all capacity is the storage node's.
+            capacity_bytes=128 << 20,
+            stack=stack,
         )
     finally:
         stack.down()

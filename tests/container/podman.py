@@ -100,6 +100,7 @@ class Deployment:
     grpc_port: int
     metrics_port: int
     backend: str
+    capacity_bytes: int  # what GetStats must report: the memory capacity or the storage segment
     stack: ComposeProject | None = None
 
     @property
@@ -111,7 +112,7 @@ class Deployment:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
-def run_service(image: str, env: dict[str, str]) -> Deployment:
+def run_service(image: str, env: dict[str, str], capacity_bytes: int) -> Deployment:
     """`podman run --init -p 127.0.0.1:P:50051 ...` of the image; never --network host."""
     name = f"{RUN_ID}-{uuid.uuid4().hex[:8]}"
     grpc_port, metrics_port = free_port(), free_port()
@@ -122,7 +123,13 @@ def run_service(image: str, env: dict[str, str]) -> Deployment:
         "--publish", f"127.0.0.1:{metrics_port}:{METRICS_PORT}",
         *env_args, image,
     )  # fmt: skip
-    return Deployment(name=name, grpc_port=grpc_port, metrics_port=metrics_port, backend="memory")
+    return Deployment(
+        name=name,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        backend="memory",
+        capacity_bytes=capacity_bytes,
+    )
 
 
 def remove(name: str) -> None:

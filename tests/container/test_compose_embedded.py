@@ -27,7 +27,13 @@ def embedded_stack(image: str) -> Iterator[tuple[pm.ComposeProject, pm.Deploymen
         pm.wait_healthy(name)
         yield (
             stack,
-            pm.Deployment(name=name, grpc_port=grpc_port, metrics_port=metrics_port, backend="memory"),
+            pm.Deployment(
+                name=name,
+                grpc_port=grpc_port,
+                metrics_port=metrics_port,
+                backend="memory",
+                capacity_bytes=1 << 30,
+            ),
         )
     finally:
         stack.down()
@@ -51,5 +57,5 @@ def test_embedded_compose_service_round_trips_a_block_and_stops_with_exit_code_0
         got = kv.Get(pb.GetRequest(session_id=session, blocks=[pb.BlockRef(key=b"k")]), timeout=10)
         stats = kc.stub(chan).GetStats(pb.GetStatsRequest(), timeout=10)
     assert (got.results[0].status, got.results[0].value) == (pb.HIT, b"v" * 100)
-    assert stats.backend == "memory"
+    assert (stats.backend, stats.capacity_bytes) == ("memory", deployment.capacity_bytes)
     assert pm.stop(deployment.name) == 0, pm.logs(deployment.name)
