@@ -29,6 +29,7 @@ def test_finish_job_pins_blocks_until_the_worker_reports_it(
     held = engine.scheduler.kv_cache_manager.get_block_ids("a")[0]
     assert len(held) >= 3
     assert engine.connector.stats.totals["finish_jobs"] == 1
+    assert engine.connector.has_pending_block_frees(), "pinned blocks free soon: no need to preempt"
     # The job goes out in the next build_connector_meta; the worker reports it in get_finished.
     engine.step()
     finish_jobs = [job for job in engine.step_log[-1]["meta"].saves if job.finish]
@@ -38,6 +39,7 @@ def test_finish_job_pins_blocks_until_the_worker_reports_it(
     assert engine.finished_sending_log[-1] == {"a"}
     # Only now are the blocks freed, and nothing leaks.
     assert "a" not in engine.scheduler.requests
+    assert not engine.connector.has_pending_block_frees()
     engine.run()
     assert_scheduler_empty(engine.scheduler)
     engine.drain_saves()

@@ -190,9 +190,18 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
         return self._sched().partial_tail(request, partial_tail_offloads)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is None:
+            return
         failed = getattr(connector_output, "failed_recving", None)
-        if failed and self._scheduler is not None:
+        if failed:
             self._scheduler.loads_failed(set(failed))
+        sent = getattr(connector_output, "finished_sending", None)
+        if sent:
+            self._scheduler.planner.released(set(sent))
+
+    def has_pending_block_frees(self) -> bool:
+        """Finish jobs free their pinned blocks within a step: wait for them rather than preempt."""
+        return self._scheduler is not None and bool(self._scheduler.planner.pinned)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -27,6 +27,8 @@ class SavePlanner:
         self.stats = stats
         self._finish_jobs: dict[str, SaveJob] = {}
         self._ready_finish_jobs: list[SaveJob] = []
+        # Requests whose blocks a finish job pins until the worker reports finished_sending.
+        self.pinned: set[str] = set()
 
     def _save_transfers(
         self, tracked: RequestState, block_ids: tuple[list[int], ...] | list[list[int]], num_computed: int
@@ -90,6 +92,7 @@ class SavePlanner:
                 self.stats.add("cancelled_jobs")
                 job.blocks.clear()
                 self._ready_finish_jobs.append(job)
+                self.pinned.add(req_id)
                 return True
             return False
         job = job or SaveJob(req_id, [], finish=True)
@@ -113,7 +116,12 @@ class SavePlanner:
             return False
         self.stats.add("finish_jobs")
         self._ready_finish_jobs.append(job)
+        self.pinned.add(req_id)
         return True
+
+    def released(self, req_ids: set[str]) -> None:
+        """The worker reported these finish jobs done: vLLM frees their blocks now."""
+        self.pinned -= req_ids
 
     def take_finish_jobs(self) -> list[SaveJob]:
         """Finish jobs registered since the last step: they go out in this step's metadata."""
