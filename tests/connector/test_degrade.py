@@ -113,3 +113,17 @@ def test_blocks_that_fail_to_load_are_recomputed_and_the_request_finishes(
     assert engine.worker_connector.stats.totals["load_errors"] >= 2
     assert engine.connector.stats.totals["hit_tokens"] >= 2 * block
     assert_scheduler_empty(engine.scheduler)
+
+
+def test_rejected_puts_are_counted_as_dropped_and_the_request_finishes(
+    make_engine: Callable[..., Engine], start_store: Callable[..., StoreProcess]
+) -> None:
+    store = start_store("--capacity", "1KiB")  # every block (4 KiB) is larger than the whole store
+    engine = make_engine(store.endpoint, extra={"engine_id": "tiny-store"})
+    hit, _ = serve(engine, "a", fresh_prompt(3 * B + 1))
+    engine.drain_saves()
+    totals = engine.worker_connector.stats.totals
+    assert hit == 0
+    assert totals["saved_blocks"] == 0
+    assert totals["dropped_saves"] == 3
+    assert_scheduler_empty(engine.scheduler)
