@@ -932,6 +932,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             echo_channel.close()
         kv_channel.close()
 
+    if not args.profile:  # server logs are only kept when a run fails (or holds profiles)
+        shutil.rmtree(log_dir, ignore_errors=True)
     results: dict[str, Any] = {}
     for label, by_kind in series.items():
         summary = {kind: s.summary() for kind, s in by_kind.items()}
