@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
@@ -11,7 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvtag_store.backends.base import BackendStats
+from kvtag_store.backends.base import BackendStats, BackendUnavailable
+
+log = logging.getLogger("kvtag_store.metrics")
 
 
 class StoreMetrics:
@@ -72,7 +75,24 @@ class _StoreCollector(Collector):
         self._live = live_sessions
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self._stats()
+        """A scrape never fails because the backend does: an unreachable backend (Mooncake master
+        down) reports kvtag_backend_up 0 and leaves out the figures it could not read."""
+        yield GaugeMetricFamily("kvtag_live_sessions", "Live sessions", value=self._live())
+        try:
+            stats = self._stats()
+        except BackendUnavailable as exc:
+            log.warning("metrics scrape without backend figures: %s", exc)
+            stats = None
+        except Exception:  # a bug in a backend's stats must not take the metrics endpoint down
+            log.exception("reading backend stats for a metrics scrape failed")
+            stats = None
+        yield GaugeMetricFamily(
+            "kvtag_backend_up",
+            "1 if the backend answered this scrape's stats, else 0",
+            value=0 if stats is None else 1,
+        )
+        if stats is None:
+            return
         yield GaugeMetricFamily("kvtag_capacity_bytes", "Store capacity", value=stats.capacity_bytes)
         yield GaugeMetricFamily("kvtag_used_bytes", "Value bytes held", value=stats.used_bytes)
         yield GaugeMetricFamily("kvtag_keys", "Blocks held", value=stats.keys)
@@ -81,7 +101,12 @@ class _StoreCollector(Collector):
         yield CounterMetricFamily(
             "kvtag_corrupted_dropped", "Values dropped on checksum mismatch", value=stats.corrupted_dropped
         )
-        yield GaugeMetricFamily("kvtag_live_sessions", "Live sessions", value=self._live())
+        errors = CounterMetricFamily(
+            "kvtag_backend_errors", "Backend errors met by this replica, by kind", labels=["kind"]
+        )
+        for kind, count in sorted(stats.errors.items()):
+            errors.add_metric([kind], count)
+        yield errors
         per_ns = GaugeMetricFamily(
             "kvtag_namespace_used_bytes", "Value bytes per namespace", labels=["namespace"]
         )

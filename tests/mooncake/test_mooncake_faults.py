@@ -6,8 +6,10 @@ Each test owns its cluster (it breaks it) and is bounded by Mooncake's own timeo
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,16 +103,28 @@ def test_killed_storage_process_gives_misses_never_wrong_bytes(
     assert own_backend.put(ns, MODE, addr("k0"), b"new").outcome is PutOutcome.STORED
 
 
-def test_master_down_is_unavailable_with_a_message_and_the_service_recovers(
+def _scrape(address: str) -> tuple[int, str]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        return response.status, response.read().decode()
+
+
+def test_master_down_is_unavailable_with_a_message_metrics_keep_answering_and_the_service_recovers(
     own_cluster: MooncakeCluster, tmp_path: Path
 ) -> None:
-    replica = Replica(own_cluster, tmp_path, "replica")
+    metrics_address = f"127.0.0.1:{free_port()}"
+    replica = Replica(own_cluster, tmp_path, "replica", extra_args=[f"--metrics-listen={metrics_address}"])
     replica.start()
     try:
         ns = namespace("model-" + uuid.uuid4().hex[:10])
         session = replica.open(ns, mode(), "engine-1").session_id
         assert replica.put(session, (b"k", b"v")) == [pb.STORED]
+        status, text = _scrape(metrics_address)
+        assert status == 200 and "kvtag_backend_up 1.0" in text
         own_cluster.kill_master()
+        status, text = _scrape(metrics_address)
+        assert status == 200
+        assert "kvtag_backend_up 0.0" in text
+        assert "kvtag_live_sessions 1.0" in text
         with pytest.raises(grpc.RpcError) as down:
             replica.lookup(session, b"k")
         assert down.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -128,6 +142,11 @@ def test_master_down_is_unavailable_with_a_message_and_the_service_recovers(
 
         wait_until(writable, 40, "kvtag to store again after the master returned", interval_s=1.0)
         assert [r.value for r in replica.get(session, b"k2")] == [b"v2"]
+        status, text = _scrape(metrics_address)
+        assert status == 200 and "kvtag_backend_up 1.0" in text
+        # The outage was counted, and the count is exported once the master answers again.
+        master_rpc = re.search(r'kvtag_backend_errors_total\{kind="master_rpc"\} (\d+)', text)
+        assert master_rpc is not None and int(master_rpc.group(1)) >= 1, text
     finally:
         replica.stop()
 

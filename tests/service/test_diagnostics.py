@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 
 import grpc
@@ -10,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_store.backends.base import BackendStats, BackendUnavailable
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.server import start_server
@@ -145,3 +147,58 @@ def test_prometheus_metrics_expose_store_and_request_figures() -> None:
     assert 'kvtag_lookup_keys_total{status="miss"} 1.0' in text
     assert 'kvtag_put_items_total{status="stored"} 1.0' in text
     assert "kvtag_live_sessions 1.0" in text
+    assert "kvtag_backend_up 1.0" in text
+
+
+class _ErrorsBackend(MemoryBackend):
+    """An injected fault: the backend reports errors it met (the memory backend itself meets none)."""
+
+    def stats(self) -> BackendStats:
+        return dataclasses.replace(super().stats(), errors={"full": 3, "transfer": 1})
+
+
+def test_metrics_export_backend_errors_by_kind() -> None:
+    server = start_server(
+        _ErrorsBackend(1 << 20),
+        MemoryCensus(),
+        ServiceConfig(),
+        listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.stop(grace=0)
+    assert "# TYPE kvtag_backend_errors_total counter" in text
+    assert 'kvtag_backend_errors_total{kind="full"} 3.0' in text
+    assert 'kvtag_backend_errors_total{kind="transfer"} 1.0' in text
+    assert "kvtag_backend_up 1.0" in text
+
+
+class _StatsFailBackend(MemoryBackend):
+    """An injected fault: the backend cannot report its figures (as Mooncake with its master down)."""
+
+    def stats(self) -> BackendStats:
+        raise BackendUnavailable("stats unreachable (injected)")
+
+
+def test_metrics_keep_answering_when_the_backend_cannot_report() -> None:
+    server = start_server(
+        _StatsFailBackend(1 << 20),
+        MemoryCensus(),
+        ServiceConfig(),
+        listen="127.0.0.1:0",
+        metrics_listen="127.0.0.1:0",
+    )
+    try:
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=5) as response:
+            status = response.status
+            text = response.read().decode()
+    finally:
+        server.stop(grace=0)
+    assert status == 200
+    assert "kvtag_backend_up 0.0" in text
+    assert "kvtag_live_sessions 0.0" in text
+    assert "kvtag_used_bytes" not in text
+    assert "# TYPE kvtag_rpc_duration_seconds histogram" in text

@@ -60,6 +60,8 @@ class BackendStats:
     corrupted_dropped: int
     # namespace_id -> (keys, used_bytes)
     per_namespace: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Backend errors met by this replica, by kind (Mooncake: full, transfer, master_rpc, ...).
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 class BackendUnavailable(Exception):

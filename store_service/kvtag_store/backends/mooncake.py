@@ -514,6 +514,7 @@ class MooncakeBackend:
             evictions=int(metrics.get("master_evicted_key_count", 0)),
             leased_keys=self._leases.count(),
             corrupted_dropped=corrupted,
+            errors=self.errors.snapshot(),
         )
 
     def close(self) -> None:

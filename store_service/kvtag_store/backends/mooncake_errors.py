@@ -28,7 +28,7 @@ class MooncakeCode(enum.IntEnum):
     RPC_FAIL = -900
 
 
-# Counter names, exported as kvtag_mooncake_errors_total{code=...}.
+# Counter names, exported as kvtag_backend_errors_total{kind=...}.
 COUNTER_NAMES: dict[int, str] = {
     MooncakeCode.NO_AVAILABLE_HANDLE: "full",
     MooncakeCode.BUFFER_OVERFLOW: "buffer",
