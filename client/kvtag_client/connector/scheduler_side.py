@@ -56,7 +56,6 @@ class SchedulerSide:
             tracked = RequestState(keys=keys)
             self._requests[request.request_id] = tracked
             if not keys.encodable:
-                tracked.counted_unencodable = True
                 self.stats.add("unencodable_requests")
                 logger.warning(
                     "kvtag: request %s has extra keys with no canonical encoding; it is neither "

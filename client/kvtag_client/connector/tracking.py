@@ -131,7 +131,6 @@ class RequestState:
     state_stored: set[int] = field(default_factory=set)
     plan: LoadPlan | None = None
     load_confirmed: bool = False
-    counted_unencodable: bool = False
     # A load for this request failed: it recomputes instead of asking the store again (and looping).
     load_failed: bool = False
     # With audit on: every KV block this request saved, re-read from the engine when it finishes.
