@@ -82,8 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_backend(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
     if args.backend == "mooncake":
         return mooncake_options.build(args)
-    memory = MemoryBackend(parse_size(str(args.capacity)), verify_on_lookup=args.verify_on_lookup == "on")
-    return memory, MemoryCensus()
+    return MemoryBackend(parse_size(str(args.capacity))), MemoryCensus()
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -108,13 +108,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--max-message-bytes", "64MiB", "largest gRPC message sent or received")
     flag("--workers", "16", "gRPC worker threads")
     flag("--base-index-entries", "200000", "bound of the base-key index behind cross-mode miss counts")
-    flag(
-        "--verify-on-lookup",
-        "on",
-        "memory backend: also check hit checksums on Lookup (Get always checks); costs one CRC pass "
-        "over the hit values",
-        choices=["on", "off"],
-    )
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")

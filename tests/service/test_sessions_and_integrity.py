@@ -6,7 +6,7 @@ import time
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store.backends.base import BlockKey, KeyStatus
+from kvtag_store.backends.base import BlockKey
 
 from .conftest import ServerFactory
 from .faults import corrupt_memory_value
@@ -61,12 +61,21 @@ def test_corrupted_value_is_dropped_counted_and_never_served(store: Store) -> No
     assert (stats.corrupted_dropped, stats.keys) == (1, 1)
 
 
-def test_corruption_is_caught_on_lookup_before_a_hit_is_promised(store: Store) -> None:
+def test_lookup_is_a_key_query_and_the_get_drops_a_corrupted_value_as_a_counted_miss(store: Store) -> None:
+    """Lookup promises presence only (no checksum pass over hit values); the Get that loads the block
+    verifies it, so the connector sees a load error and the engine recomputes the block."""
     opened = store.open()
-    store.put(opened.session_id, (b"k", b"x" * 4096))
+    session = opened.session_id
+    store.put(session, (b"k", b"x" * 4096), (b"j", b"healthy"))
     corrupt_memory_value(store.backend, opened.namespace_id, (0, BlockKey(b"k")))
-    answer = store.lookup(opened.session_id, b"k")
-    assert (answer.prefix_length, list(answer.statuses)) == (0, [pb.MISS])
+    answer = store.lookup(session, b"k", b"j")
+    assert list(answer.statuses) == [pb.HIT, pb.HIT]
+    results = store.get(session, b"k", b"j", lease_id=answer.lease.lease_id)
+    assert [(r.status, r.value) for r in results] == [(pb.MISS, b""), (pb.HIT, b"healthy")]
+    stats = store.stats()
+    assert (stats.corrupted_dropped, stats.keys) == (1, 1)
+    assert list(store.lookup(session, b"k").statuses) == [pb.MISS]
+    assert [r.status for r in store.get(session, b"k")] == [pb.MISS]
     assert store.stats().corrupted_dropped == 1
 
 
@@ -77,15 +86,3 @@ def test_a_new_put_after_corruption_stores_fresh_bytes(store: Store) -> None:
     store.get(opened.session_id, b"k")
     assert store.put(opened.session_id, (b"k", b"new" * 10)) == [pb.STORED]
     assert store.get(opened.session_id, b"k")[0].value == b"new" * 10
-
-
-def test_lookup_verification_can_be_turned_off_but_get_still_never_serves_corruption() -> None:
-    from kvtag_store.backends.memory import MemoryBackend
-
-    backend = MemoryBackend(1 << 20, verify_on_lookup=False)
-    backend.put("ns", "m-a", (0, BlockKey(b"k")), b"bytes" * 100)
-    corrupt_memory_value(backend, "ns", (0, BlockKey(b"k")))
-    assert backend.lookup("ns", "m-a", [(0, BlockKey(b"k"))]) == [KeyStatus.HIT]
-    [result] = backend.get("ns", "m-a", [(0, BlockKey(b"k"))])
-    assert (result.status, result.value) == (KeyStatus.MISS, None)
-    assert backend.stats().corrupted_dropped == 1

@@ -80,13 +80,10 @@ class MemoryBackend:
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, *, verify_on_lookup: bool = True) -> None:
-        """`verify_on_lookup`: check hit checksums on Lookup too, not only on Get. It costs one CRC
-        pass over the hit values (a 4,096-block lookup of 64 KiB blocks reads 256 MiB)."""
+    def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         self._capacity = capacity_bytes
-        self._verify_on_lookup = verify_on_lookup
         self._lock = threading.Lock()
         self._namespaces: dict[str, _Namespace] = {}
         # Every block, least recently used first (pinned ones too: eviction skips them).
@@ -254,12 +251,12 @@ class MemoryBackend:
                     self._corrupted += 1
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
-        """Recency is not refreshed here: a Lookup is a probe, and its hits are pinned by the lease
-        the service takes anyway; the Get that loads them refreshes them."""
+        """A key query: presence by tag, no checksum pass (that would read every hit value: 256 MiB
+        for 4,096 blocks of 64 KiB). Get verifies; a value corrupted since is a miss there, which the
+        connector reports as a load error and the engine recomputes. Recency is not refreshed: the
+        hits are pinned by the lease the service takes, and the Get that loads them refreshes them."""
         with self._lock:
-            statuses, found = self._find(namespace_id, mode_id, addresses, touch=False)
-        if self._verify_on_lookup:
-            self._verify(namespace_id, addresses, statuses, found)
+            statuses, _ = self._find(namespace_id, mode_id, addresses, touch=False)
         return statuses
 
     def lookup_and_pin(
@@ -278,11 +275,11 @@ class MemoryBackend:
                     else [a for a, e in zip(addresses, found, strict=True) if e is not None]
                 )
                 ns.pins.update(pinned)
-        if self._verify_on_lookup:
-            self._verify(namespace_id, addresses, statuses, found)
         return statuses, pinned
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
+        """Every hit's checksum is checked before its bytes leave; a failing value is dropped,
+        counted in corrupted_dropped and answered as a MISS."""
         with self._lock:
             statuses, found = self._find(namespace_id, mode_id, addresses, touch=True)
         self._verify(namespace_id, addresses, statuses, found)
