@@ -181,3 +181,43 @@ def test_audit_only_compares_copies_this_engine_stored(
     totals = engine.worker_connector.stats.totals
     assert totals["saved_blocks"] >= 3
     assert totals["audit_mismatches"] == 0, totals
+
+
+def test_pending_save_memory_is_bounded_and_overflow_is_dropped_and_counted(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    engine = make_engine(store.endpoint, extra={"max_pending_save_bytes": 1024, "engine_id": "bounded"})
+    request = engine.add("a", fresh_prompt(3 * B + 1), max_tokens=2)
+    engine.run()
+    engine.drain_saves()
+    totals = engine.worker_connector.stats.totals
+    assert request.is_finished()
+    assert totals["saved_blocks"] == 0 and totals["dropped_saves"] == 3, "4 KiB blocks exceed a 1 KiB bound"
+
+
+def test_connector_stats_reach_the_scheduler_stats_through_vllm_hooks(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    prompt = fresh_prompt(2 * B + 3)
+    writer = make_engine(store.endpoint, extra={"engine_id": "stats-w"})
+    writer.add("w", prompt, max_tokens=2)
+    writer.run()
+    writer.drain_saves()
+    reader = make_engine(store.endpoint, extra={"engine_id": "stats-r"})
+    reader.add("r", prompt, max_tokens=2)
+    reader.run()
+    payloads = [
+        out.scheduler_stats.kv_connector_stats
+        for outputs in reader.outputs
+        for out in outputs.values()
+        if out.scheduler_stats is not None and out.scheduler_stats.kv_connector_stats
+    ]
+    merged = KvtagConnector.build_kv_connector_stats()
+    assert merged is not None
+    for payload in payloads:
+        rebuilt = KvtagConnector.build_kv_connector_stats(data=payload)
+        assert rebuilt is not None
+        merged = merged.aggregate(rebuilt)
+    reduced = merged.reduce()
+    assert reduced["hit_blocks"] == 2 and reduced["loaded_blocks"] == 2, reduced
+    assert reduced["lookups"] == 1
