@@ -7,6 +7,7 @@ import time
 from kvtag.v1 import store_pb2 as pb
 
 from .conftest import ServerFactory
+from .helpers import namespace
 
 BLOCK = 1000  # bytes per value; the stores below hold 4 of them
 
@@ -148,3 +149,63 @@ def test_lookup_prefix_stops_at_the_first_non_hit(make_store: ServerFactory) -> 
     answer = store.lookup(session, b"a", b"b", b"c", b"d")
     assert answer.prefix_length == 2
     assert list(answer.statuses) == [pb.HIT, pb.HIT, pb.MISS, pb.HIT]
+
+
+def test_a_lease_taken_in_one_session_is_released_by_a_get_in_another_session_of_the_namespace(
+    make_store: ServerFactory,
+) -> None:
+    """The connector's scheduler looks up in its session; its workers load in their own."""
+    store = make_store(capacity=2 * BLOCK)
+    scheduler = store.open("engine-a").session_id
+    worker = store.open("engine-a").session_id
+    store.put(scheduler, (b"k1", bytes(BLOCK)), (b"k2", bytes(BLOCK)))
+    lease = store.lookup(scheduler, b"k1", b"k2").lease
+    assert store.stats().leased_keys == 2
+    results = store.get(worker, b"k1", b"k2", lease_id=lease.lease_id)
+    assert [r.status for r in results] == [pb.HIT, pb.HIT]
+    assert store.stats().leased_keys == 0
+    assert store.put(worker, (b"k3", bytes(BLOCK))) == [pb.STORED]
+    assert store.stats().evictions == 1
+    # Releasing it again, from either session, is a no-op.
+    store.stub.ReleaseLeases(
+        pb.ReleaseLeasesRequest(session_id=scheduler, lease_ids=[lease.lease_id]), timeout=5
+    )
+
+
+def test_release_leases_from_another_session_of_the_namespace_unpins(make_store: ServerFactory) -> None:
+    store = make_store(capacity=4 * BLOCK)
+    scheduler = store.open("engine-a").session_id
+    worker = store.open("engine-a").session_id
+    store.put(scheduler, (b"k1", bytes(BLOCK)))
+    lease = store.lookup(scheduler, b"k1").lease
+    store.stub.ReleaseLeases(
+        pb.ReleaseLeasesRequest(session_id=worker, lease_ids=[lease.lease_id]), timeout=5
+    )
+    assert store.stats().leased_keys == 0
+
+
+def test_a_session_of_another_namespace_cannot_release_a_lease(make_store: ServerFactory) -> None:
+    store = make_store(capacity=4 * BLOCK)
+    owner = store.open("engine-a").session_id
+    stranger = store.open("engine-b", ns=namespace(model="another-model")).session_id
+    store.put(owner, (b"k1", bytes(BLOCK)))
+    lease = store.lookup(owner, b"k1").lease
+    store.stub.ReleaseLeases(
+        pb.ReleaseLeasesRequest(session_id=stranger, lease_ids=[lease.lease_id]), timeout=5
+    )
+    store.get(stranger, b"k1", lease_id=lease.lease_id)
+    assert store.stats().leased_keys == 1
+
+
+def test_lease_ids_are_unguessable_tokens(make_store: ServerFactory) -> None:
+    store = make_store(capacity=4 * BLOCK)
+    session = store.open().session_id
+    store.put(session, (b"k1", bytes(BLOCK)))
+    ids = {store.lookup(session, b"k1").lease.lease_id for _ in range(50)}
+    assert len(ids) == 50
+    for lease_id in ids:
+        token = lease_id.removeprefix("l-")
+        assert len(token) == 32 and int(token, 16) >= 0  # 128 random bits, hex
+    # No shared prefix beyond chance: ids are not a counter under a per-process prefix.
+    tokens = sorted(lease_id.removeprefix("l-") for lease_id in ids)
+    assert len({t[:8] for t in tokens}) > 40
