@@ -9,10 +9,14 @@ so a finish job without the Mamba state would shorten every later hybrid hit by 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
+from kvtag_client.connector import KvtagConnector
+from vllm.v1.request import RequestStatus
 
-from .harness import MAMBA_STATE, Engine, state_value
+from .harness import MAMBA_STATE, Engine, assert_scheduler_empty, state_value
 from .store_process import StoreProcess
 from .test_hit_length import fresh_prompt
 
@@ -87,3 +91,29 @@ def test_no_hybrid_hit_at_a_boundary_without_its_mamba_state(
     client.put([(0, keys.key(j), value, b"") for j in range(3)] + [(1, keys.key(0), value, b"")])
     hit, _ = engine.connector.get_num_new_matched_tokens(request, 0)
     assert hit == H, f"the hit must stop at the last boundary with a stored state, got {hit}"
+
+
+def test_abort_at_a_tail_boundary_does_not_pin_the_handed_off_tail(
+    make_engine: Callable[..., Engine], store: StoreProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM hands a request that ends at a tail boundary to register_finished_partial_tail (seen on
+    abort). An abort cancels: kvtag declines the tail, so its blocks are freed at once."""
+    offered: list[tuple[list[tuple[int, int, int]], bool]] = []
+    original = KvtagConnector.register_finished_partial_tail
+
+    def recording(self: KvtagConnector, request: Any, block_ids: Any, offloads: Any) -> bool:
+        accepted = bool(original(self, request, block_ids, offloads))
+        offered.append((list(offloads), accepted))
+        return accepted
+
+    monkeypatch.setattr(KvtagConnector, "register_finished_partial_tail", recording)
+    engine = make_engine(store.endpoint, hybrid=True, eagle=True, extra={"engine_id": "hybrid-tail"})
+    request = engine.add("t", fresh_prompt(100), max_tokens=4)
+    engine.step()
+    assert request.num_computed_tokens == 80, "EAGLE cuts the prefill at the tail checkpoint"
+    engine.scheduler.finish_requests("t", RequestStatus.FINISHED_ABORTED)
+    assert offered == [([(1, offered[0][0][0][1], 80)], False)], offered
+    assert "t" not in engine.scheduler.requests, "an aborted request's tail is not pinned"
+    engine.run()
+    assert not any(job.finish for entry in engine.step_log for job in entry["meta"].saves)
+    assert_scheduler_empty(engine.scheduler)
