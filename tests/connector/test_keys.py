@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from kvtag_client.connector.namespace import Geometry, vllm_probe_keys
 from kvtag_client.connector.tracking import RequestKeys
+from kvtag_client.keys import ExtraKeys, block_keys
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
@@ -56,7 +57,13 @@ def test_connector_keys_match_the_published_canonical_vectors(
     keys.refresh()
     assert keys.encodable
     got = [keys.key(j).hex() for j in range(keys.num_keyed_blocks())]
-    assert got == vector["keys"]
+    if vector["extras"]["cache_salt"] == "":
+        # vLLM treats cache_salt="" as no salt (docs/canonical-keys.md, "From a vLLM request"), so
+        # through a request this vector must give the unsalted keys, not its own.
+        unsalted = block_keys(vector["token_ids"], h, vector["lookahead_tokens"], ExtraKeys())
+        assert got == [k.hex() for k in unsalted] != vector["keys"]
+    else:
+        assert got == vector["keys"]
 
 
 def test_vllm_scheme_uses_the_engine_block_hashes(

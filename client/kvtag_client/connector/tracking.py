@@ -10,33 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtag_client.keys import ExtraKeys, KeyChain, UnencodableExtraKeys
+from kvtag_client.extra_keys import extra_keys_from_request
+from kvtag_client.keys import KeyChain, UnencodableExtraKeys
 
 from .metadata import BlockTransfer
 from .namespace import Geometry, vllm_lookahead_key
-
-
-def extra_keys_of(request: Any) -> ExtraKeys:
-    """LoRA name, cache salt and multimodal identifiers of a request, in canonical form.
-
-    Raises UnencodableExtraKeys for inputs with no canonical encoding (prompt embeddings,
-    multimodal features without an identifier or position).
-    """
-    if getattr(request, "prompt_embeds", None) is not None:
-        raise UnencodableExtraKeys("prompt embeddings have no canonical encoding")
-    lora = getattr(request, "lora_request", None)
-    items: list[tuple[str, int, int]] = []
-    for feature in getattr(request, "mm_features", None) or ():
-        identifier = getattr(feature, "identifier", None)
-        position = getattr(feature, "mm_position", None)
-        if position is None:
-            raise UnencodableExtraKeys("a multimodal feature has no placeholder position")
-        items.append((identifier, position.offset, position.length))  # type: ignore[arg-type]
-    return ExtraKeys(
-        lora_name=None if lora is None else lora.lora_name,
-        cache_salt=getattr(request, "cache_salt", None),
-        mm_items=tuple(items),
-    )
 
 
 class _VllmChain:
@@ -77,10 +55,10 @@ class RequestKeys:
         try:
             if self.scheme == "canonical":
                 self._chain = KeyChain(
-                    self.geometry.hash_block_size, self.lookahead, extra_keys_of(self.request)
+                    self.geometry.hash_block_size, self.lookahead, extra_keys_from_request(self.request)
                 )
             else:
-                extra_keys_of(self.request)  # same refusal rule: no encodable identity, no sharing
+                extra_keys_from_request(self.request)  # same refusal rule: no encodable identity, no sharing
                 self._chain = _VllmChain(self.request, self.geometry.hash_block_size, self.lookahead)
         except UnencodableExtraKeys:
             self.encodable = False
