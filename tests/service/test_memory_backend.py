@@ -43,3 +43,14 @@ def test_a_put_that_cannot_fit_beside_leased_blocks_evicts_nothing() -> None:
     assert "200 of 300 bytes are leased" in result.reason
     assert backend.lookup("ns", "m", [a("free")]) == [KeyStatus.HIT]
     assert backend.stats().evictions == 0
+
+
+def test_put_many_larger_than_one_lock_chunk_keeps_order_and_sees_earlier_items() -> None:
+    backend = MemoryBackend(1 << 20)
+    items = [(a(f"k{i}"), i.to_bytes(4, "big")) for i in range(2500)]
+    items.append((a("k3"), b"later"))  # a repeat of an item two chunks earlier
+    results = backend.put_many("ns", "m", items)
+    assert [r.outcome for r in results] == [PutOutcome.STORED] * 2500 + [PutOutcome.ALREADY_PRESENT]
+    read = backend.get("ns", "m", [a("k2499"), a("k3"), a("k0")])
+    assert [r.value for r in read] == [(2499).to_bytes(4, "big"), (3).to_bytes(4, "big"), bytes(4)]
+    assert backend.stats().keys == 2500

@@ -30,6 +30,8 @@ _MISMATCH = KeyStatus.MODE_MISMATCH
 # Results without a reason are immutable and shared: no allocation per stored item.
 _STORED = PutResult(PutOutcome.STORED)
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+# Items stored per lock acquisition in put_many: about a millisecond of lock hold.
+_PUT_CHUNK = 1024
 
 # (namespace_id, (group, key)): a block's address across the whole store.
 _StoreKey = tuple[str, BlockAddress]
@@ -104,17 +106,23 @@ class MemoryBackend:
     def put_many(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
     ) -> list[PutResult]:
-        """Checksums first, outside the lock (CRC-32 releases the GIL); then the whole batch under one
-        lock acquisition, item by item in order, so a repeated address sees the earlier item."""
+        """Checksums first, outside the lock (CRC-32 releases the GIL); then the items in order under
+        one lock acquisition per _PUT_CHUNK items (so a huge batch does not stall Lookups for long);
+        a repeated address sees the earlier item."""
         crcs = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
-        with self._lock:
-            ns = self._namespaces.get(namespace_id)
-            if ns is None:
-                ns = self._namespaces[namespace_id] = _Namespace()
-            return [
-                self._put_locked(namespace_id, ns, mode_id, address, value, crc)
-                for (address, value), crc in zip(items, crcs, strict=True)
-            ]
+        results: list[PutResult] = []
+        for start in range(0, len(items), _PUT_CHUNK):
+            with self._lock:
+                ns = self._namespaces.get(namespace_id)
+                if ns is None:
+                    ns = self._namespaces[namespace_id] = _Namespace()
+                results.extend(
+                    self._put_locked(namespace_id, ns, mode_id, address, value, crc)
+                    for (address, value), crc in zip(
+                        items[start : start + _PUT_CHUNK], crcs[start : start + _PUT_CHUNK], strict=True
+                    )
+                )
+        return results
 
     def _put_locked(
         self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, value: bytes, crc: int
