@@ -4,14 +4,15 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 
 - raw:      a plain MooncakeDistributedStore, put_batch / get_batch of the same values;
 - backend:  kvtag's MooncakeBackend in process (headers, checksums, put read-back, existence check),
-            item by item as the service calls it today (put) and batched (put_many);
+            batched as the service calls it (put_many) and item by item (put) for comparison;
 - service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
             and the same service over its memory backend (gRPC + service layer without Mooncake);
 - parts:    where the backend's extra time goes, each part timed alone on the same blocks
             (CRC-32 of the values, the header read-back of a put, the existence check of a get).
 
-Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). Every Mooncake
-process must live in a private network namespace; when run outside one, the script re-runs itself
+Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). The results
+record the load average before and after each repeat: other work on the machine moves the times. Every
+Mooncake process must live in a private network namespace; when run outside one, the script re-runs itself
 under `unshare -n` (root) with loopback up.
 
     .venv/bin/python benchmarks/bench_mooncake.py [--quick] [--out benchmarks/results/mooncake.json]
@@ -170,6 +171,26 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     return out
 
 
+def git_head() -> str:
+    """The commit measured, with "+dirty" when the service or proto sources differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "store_service", "proto"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_proto import ids
     from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeSettings, connect
@@ -195,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The same service over its memory backend: what gRPC and the service layer cost without Mooncake.
     memory = Replica(cluster, workdir, "memory", ["--backend=memory", "--capacity=2GiB"])
     results: dict[str, Any] = {"sizes": {}}
+    loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
     try:
         kvtag.start()
         memory.start()
@@ -216,6 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(repeats):
                 for row, seconds in measure_once(rig, values, count, batch).items():
                     rows[row].append(seconds)
+                loadavg.append(os.getloadavg())
             median = {k: statistics.median(v) for k, v in rows.items()}
             total = count * size
             results["sizes"][str(size)] = {
@@ -241,7 +264,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         backend.close()
         raw.close()
         cluster.stop()
-    results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kvtag_commit": git_head(),
+        "loadavg_per_repeat": loadavg,
+    }
     results["repeats"] = repeats
     return results
 
@@ -282,6 +310,7 @@ def main() -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")
     results = run(args)
     print(table(results))
+    print(f"load average per repeat: {results['machine']['loadavg_per_repeat']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
