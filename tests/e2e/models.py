@@ -170,6 +170,32 @@ def build_eagle3(out: Path, seed: int = 2) -> Path:
     return _write(out, cfg, t)
 
 
+def build_mimo(out: Path, seed: int = 4) -> Path:
+    """MiMo target (Qwen2 layers with q/k/v bias) carrying one MTP layer, for `method="mtp"`."""
+    gen = torch.Generator().manual_seed(seed)
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": _rand(gen, VOCAB, HIDDEN),
+        "model.norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": _rand(gen, VOCAB, HIDDEN),
+    }
+    layers = [f"model.layers.{i}" for i in range(2)] + ["model.mtp_layers.0"]
+    for prefix in layers:
+        t.update(_llama_layer(gen, prefix))
+        t[f"{prefix}.self_attn.q_proj.bias"] = torch.zeros(HEADS * HEAD_DIM)
+        t[f"{prefix}.self_attn.k_proj.bias"] = torch.zeros(KV_HEADS * HEAD_DIM)
+        t[f"{prefix}.self_attn.v_proj.bias"] = torch.zeros(KV_HEADS * HEAD_DIM)
+    mtp = "model.mtp_layers.0"
+    t[f"{mtp}.token_layernorm.weight"] = torch.ones(HIDDEN)
+    t[f"{mtp}.hidden_layernorm.weight"] = torch.ones(HIDDEN)
+    t[f"{mtp}.final_layernorm.weight"] = torch.ones(HIDDEN)
+    t[f"{mtp}.input_proj.weight"] = _rand(gen, HIDDEN, 2 * HIDDEN)
+    cfg = _llama_config("MiMoForCausalLM", 2, num_nextn_predict_layers=1)
+    cfg["model_type"] = "qwen2"
+    _write(out, cfg, t)
+    build_tokenizer(out)
+    return out
+
+
 def build_qwen3_next(out: Path, seed: int = 3) -> Path:
     """Hybrid GDN + attention: 2 layers (linear_attention, full_attention), 4-expert MoE, bf16.
 
@@ -215,6 +241,7 @@ def build_all(root: Path) -> dict[str, Path]:
         "llama": build_llama,
         "eagle": build_eagle,
         "eagle3": build_eagle3,
+        "mimo": build_mimo,
         "qwen3_next": build_qwen3_next,
     }
     paths = {}

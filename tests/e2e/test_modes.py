@@ -22,23 +22,37 @@ ALIGNED = [prompt(1, 3 * BLOCK), prompt(2, 4 * BLOCK)]
 UNALIGNED = [prompt(3, 3 * BLOCK + 4), prompt(4, 4 * BLOCK + 22)]
 LLAMA_PROMPTS = ALIGNED + UNALIGNED
 HYBRID_PROMPTS = [prompt(5, 300), prompt(6, 256), prompt(7, 420)]
+# Warm-only extensions: blocks past what the cold engine stored, so the warm engine stores (and
+# audits) blocks of its own, not only re-saves the cold engine's.
+LLAMA_EXTENSION = [LLAMA_PROMPTS[0] + prompt(8, 70)]
+HYBRID_EXTENSION = [HYBRID_PROMPTS[0] + prompt(9, 200)]
 MAX_TOKENS = 8
 
-MODES = ("spec_off", "eagle_legacy", "eagle_lookahead", "hybrid")
+MODES = ("spec_off", "eagle_legacy", "eagle_lookahead", "eagle3_lookahead", "mtp_lookahead", "hybrid")
+# mode -> (speculative method, drafter model); MTP's drafter is the MiMo target's own MTP layer.
+DRAFTERS = {
+    "eagle_legacy": ("eagle", "eagle"),
+    "eagle_lookahead": ("eagle", "eagle"),
+    "eagle3_lookahead": ("eagle3", "eagle3"),
+    "mtp_lookahead": ("mtp", None),
+}
 
 
-def _job(mode: str, models: dict[str, Path], endpoint: str, seed: int) -> dict[str, Any]:
+def _job(mode: str, models: dict[str, Path], endpoint: str, seed: int, warm: bool) -> dict[str, Any]:
     if mode == "hybrid":
+        steps = [{"prompts": HYBRID_PROMPTS, "max_tokens": MAX_TOKENS}]
+        if warm:
+            steps.append({"prompts": HYBRID_EXTENSION, "max_tokens": MAX_TOKENS})
         return {
             "model": str(models["qwen3_next"]),
             "dtype": "bfloat16",
             "mamba_cache_mode": "align",
             "seed": seed,
             "kv_transfer_config": kv_transfer_config(endpoint),
-            "steps": [{"prompts": HYBRID_PROMPTS, "max_tokens": MAX_TOKENS}],
+            "steps": steps,
         }
     job: dict[str, Any] = {
-        "model": str(models["llama"]),
+        "model": str(models["mimo" if mode == "mtp_lookahead" else "llama"]),
         "block_size": BLOCK,
         "seed": seed,
         "kv_transfer_config": kv_transfer_config(
@@ -46,6 +60,8 @@ def _job(mode: str, models: dict[str, Path], endpoint: str, seed: int) -> dict[s
         ),
         "steps": [{"prompts": LLAMA_PROMPTS, "max_tokens": MAX_TOKENS}],
     }
+    if warm:
+        job["steps"].append({"prompts": LLAMA_EXTENSION, "max_tokens": MAX_TOKENS})
     if mode != "spec_off":
         job["speculative_config"] = {
             "method": "eagle",
@@ -65,8 +81,10 @@ def mode_runs(
     def get(mode: str) -> dict[str, Any]:
         if mode not in cache:
             store = start_store()
-            cold = run_engine(_job(mode, models, store.endpoint, seed=0), work_dir, f"{mode}-cold")
-            warm = run_engine(_job(mode, models, store.endpoint, seed=1234), work_dir, f"{mode}-warm")
+            cold_job = _job(mode, models, store.endpoint, seed=0, warm=False)
+            warm_job = _job(mode, models, store.endpoint, seed=1234, warm=True)
+            cold = run_engine(cold_job, work_dir, f"{mode}-cold")
+            warm = run_engine(warm_job, work_dir, f"{mode}-warm")
             cache[mode] = {"cold": cold, "warm": warm, "store": store}
         return cache[mode]
 
@@ -74,7 +92,8 @@ def mode_runs(
 
 
 def _requests(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [request for step in result["steps"] for request in step["requests"]]
+    """The requests of the shared first step (cold and warm send the same prompts there)."""
+    return list(result["steps"][0]["requests"])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -98,11 +117,13 @@ def _spec_off_hit(prompt_len: int) -> int:
     return (prompt_len - 1) // BLOCK * BLOCK
 
 
-def test_lookahead_hit_equals_spec_off_hit_and_legacy_is_one_block_shorter(
+def test_eagle_family_lookahead_hits_equal_spec_off_and_legacy_is_one_block_shorter(
     mode_runs: Callable[[str], dict[str, Any]],
 ) -> None:
     off = _requests(mode_runs("spec_off")["warm"])
     lookahead = _requests(mode_runs("eagle_lookahead")["warm"])
+    eagle3 = _requests(mode_runs("eagle3_lookahead")["warm"])
+    mtp = _requests(mode_runs("mtp_lookahead")["warm"])
     legacy = _requests(mode_runs("eagle_legacy")["warm"])
     for index, tokens in enumerate(LLAMA_PROMPTS):
         kind = "aligned" if len(tokens) % BLOCK == 0 else "unaligned"
@@ -112,6 +133,14 @@ def test_lookahead_hit_equals_spec_off_hit_and_legacy_is_one_block_shorter(
         assert off[index]["external_hit"] == off[index]["num_cached_tokens"], label
         assert lookahead[index]["num_cached_tokens"] == off[index]["num_cached_tokens"], (
             f"{label}: EAGLE lookahead hit {lookahead[index]['num_cached_tokens']} "
+            f"!= spec-off hit {off[index]['num_cached_tokens']}"
+        )
+        assert eagle3[index]["num_cached_tokens"] == off[index]["num_cached_tokens"], (
+            f"{label}: EAGLE3 lookahead hit {eagle3[index]['num_cached_tokens']} "
+            f"!= spec-off hit {off[index]['num_cached_tokens']}"
+        )
+        assert mtp[index]["num_cached_tokens"] == off[index]["num_cached_tokens"], (
+            f"{label}: MTP (MiMo) lookahead hit {mtp[index]['num_cached_tokens']} "
             f"!= spec-off hit {off[index]['num_cached_tokens']}"
         )
         assert legacy[index]["num_cached_tokens"] == off[index]["num_cached_tokens"] - BLOCK, (
@@ -137,26 +166,11 @@ def test_audit_rereads_blocks_the_engine_stored_and_finds_no_mismatch(
         )
 
 
-WARM_AUDIT_CASES = [
-    "spec_off",
-    "eagle_legacy",
-    "eagle_lookahead",
-    pytest.param(
-        "hybrid",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="connector audit compares with the copy another engine stored (put ALREADY_PRESENT); "
-            "a bf16 GDN block recomputed after a loaded Mamba state differs in low bits from the cold "
-            "engine's copy, which is not a save-timing error",
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("mode", WARM_AUDIT_CASES)
+@pytest.mark.parametrize("mode", MODES)
 def test_audit_finds_no_mismatch_in_the_warm_engine(
     mode: str, mode_runs: Callable[[str], dict[str, Any]]
 ) -> None:
+    """The warm engine's own blocks (the extension past the cold prompts) are re-read and compared."""
     warm = mode_runs(mode)["warm"]["connector_totals"]
     assert warm.get("audit_checked_blocks", 0) > 0, f"{mode}: the warm engine audited nothing: {warm}"
     assert warm.get("audit_mismatches", 0) == 0, f"{mode}: audit found mismatches: {warm}"
