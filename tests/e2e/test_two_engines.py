@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .harness import StoreService, kv_transfer_config, prompt, run_engine
+from .harness import EngineRun, StoreService, kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +41,33 @@ def test_isolate_lookahead_engines_share_blocks_and_legacy_engine_never_reads_th
     models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
 ) -> None:
     store = start_store("--policy", "isolate")
-    a = _requests(run_engine(_job(models, store.endpoint, "auto", "engine-a"), work_dir, "iso-a"))
-    b = _requests(run_engine(_job(models, store.endpoint, "auto", "engine-b", seed=7), work_dir, "iso-b"))
+    # A stays alive (parked at a barrier) while B and C run, so C meets a live engine in another mode.
+    release = work_dir / "release-a"
+    a_job = _job(models, store.endpoint, "auto", "engine-a")
+    a_job["steps"].append({"prompts": [], "wait_for": str(release)})
+    a_run = EngineRun(a_job, work_dir, "iso-a").start()
+    try:
+        a_run.wait_ready(str(release))
+        b = _requests(run_engine(_job(models, store.endpoint, "auto", "engine-b", seed=7), work_dir, "iso-b"))
+        c_result = run_engine(_job(models, store.endpoint, "off", "engine-c"), work_dir, "iso-c")
+        release.touch()
+        a = _requests(a_run.result())
+    finally:
+        a_run.kill()
     for index, tokens in enumerate(PROMPTS):
         assert b[index]["external_hit"] == (len(tokens) - 1) // BLOCK * BLOCK, (
             f"B missed A's blocks: {b[index]}"
         )
         assert b[index]["token_ids"] == a[index]["token_ids"]
 
-    c_result = run_engine(_job(models, store.endpoint, "off", "engine-c"), work_dir, "iso-c")
     c = _requests(c_result)
     for index in range(len(PROMPTS)):
         assert c[index]["external_hit"] == 0, f"legacy engine C read lookahead blocks: {c[index]}"
         assert c[index]["token_ids"] == a[index]["token_ids"]
     assert c_result["connector_totals"].get("audit_mismatches", 0) == 0
+    assert "MODE_SPLIT" in (work_dir / "iso-c.log").read_text(errors="replace"), (
+        "engine C opened a session beside a live engine in another mode and logged no MODE_SPLIT warning"
+    )
 
     modes = _mode_reports(store.diagnose())
     by_lookahead = {int(m.get("mode", {}).get("lookahead_tokens", 0)): m for m in modes}
