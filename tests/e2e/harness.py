@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-STORE_BIN = REPO / ".venv" / "bin" / "kvtag-store"
+# The service lives in the service venv (it never imports vLLM); KVTAG_STORE_BIN overrides.
+STORE_BIN = Path(os.environ.get("KVTAG_STORE_BIN", str(REPO / ".venv" / "bin" / "kvtag-store")))
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_TIMEOUT_S = 300.0
 
