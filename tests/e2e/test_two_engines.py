@@ -65,9 +65,14 @@ def test_isolate_lookahead_engines_share_blocks_and_legacy_engine_never_reads_th
         assert c[index]["external_hit"] == 0, f"legacy engine C read lookahead blocks: {c[index]}"
         assert c[index]["token_ids"] == a[index]["token_ids"]
     assert c_result["connector_totals"].get("audit_mismatches", 0) == 0
-    assert "MODE_SPLIT" in (work_dir / "iso-c.log").read_text(errors="replace"), (
+    c_log = (work_dir / "iso-c.log").read_text(errors="replace")
+    assert "MODE_SPLIT" in c_log, (
         "engine C opened a session beside a live engine in another mode and logged no MODE_SPLIT warning"
     )
+    # The lookahead decision is an INFO record; it must reach vLLM's own log output.
+    assert "kvtag connector (SCHEDULER): lookahead 0" in c_log, "C's log does not show its lookahead decision"
+    a_log = (work_dir / "iso-a.log").read_text(errors="replace")
+    assert "kvtag connector (SCHEDULER): lookahead 1" in a_log, "A's log does not show its lookahead decision"
 
     modes = _mode_reports(store.diagnose())
     by_lookahead = {int(m.get("mode", {}).get("lookahead_tokens", 0)): m for m in modes}

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import compat, namespace
 from .config import KvtagConfig, parse
 from .groups import classify
+from .logs import route_through_vllm
 from .lookahead import LookaheadDecision, decide
 from .metadata import KvtagConnectorMetadata
 from .scheduler_side import SchedulerSide
@@ -45,6 +46,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         self.vllm_version = compat.check_supported()
+        route_through_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         self.config: KvtagConfig = parse(self._kv_transfer_config.kv_connector_extra_config)
         self.geometry = namespace.resolve_geometry(vllm_config, kv_cache_config)
