@@ -25,6 +25,8 @@ from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
+from kvtag_client.put_encoding import PutItemFields, encode_put_request
+
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
@@ -174,6 +176,15 @@ class StoreClient:
             ],
         )
         self._stub = store_pb2_grpc.KvStoreStub(self._channel)  # type: ignore[no-untyped-call]
+        # Put and PutStream with requests encoded by put_encoding (bytes pass through unserialized).
+        self._put_raw = self._channel.unary_unary(
+            "/kvtag.v1.KvStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString
+        )
+        self._put_stream_raw = self._channel.stream_unary(
+            "/kvtag.v1.KvStore/PutStream",
+            request_serializer=None,
+            response_deserializer=pb.PutResponse.FromString,
+        )
         self._thread = threading.Thread(target=self._maintain, name="kvtag-store-heartbeat", daemon=True)
         self._thread.start()
 
@@ -584,25 +595,27 @@ class StoreClient:
     def _put_batch(
         self, deadline: _Deadline, items: Sequence[tuple[int, bytes, bytes, bytes]], batch: list[list[int]]
     ) -> list[int]:
-        def messages(sid: str) -> list[pb.PutRequest]:
-            out = []
-            for message in batch:
-                put_items = []
-                for n in message:
-                    group, key, value, base_key = items[n]
-                    put_items.append(pb.PutItem(block=self._block_ref(group, key, base_key), value=value))
-                out.append(pb.PutRequest(session_id=sid, items=put_items))
-            return out
+        def messages(sid: str) -> list[bytes]:
+            return [
+                encode_put_request(sid, [self._put_fields(items[n]) for n in message]) for message in batch
+            ]
 
         def rpc(sid: str, timeout: float) -> list[int]:
             requests = messages(sid)
             if len(requests) == 1:
-                response: pb.PutResponse = self._stub.Put(requests[0], timeout=timeout)
+                response: pb.PutResponse = self._put_raw(requests[0], timeout=timeout)
             else:
-                response = self._stub.PutStream(iter(requests), timeout=timeout)
+                response = self._put_stream_raw(iter(requests), timeout=timeout)
             return [r.status for r in response.results]
 
         return self._call(deadline, rpc)
+
+    def _put_fields(self, item: tuple[int, bytes, bytes, bytes]) -> PutItemFields:
+        """(group, key, value, base_key) as sent: an invalid base key is dropped, as in _block_ref."""
+        group, key, value, base_key = item
+        if base_key and not self._valid_key(base_key):
+            base_key = b""
+        return group, key, value, base_key
 
     def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[bytes | None]:
         """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded)."""
