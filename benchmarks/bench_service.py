@@ -3,8 +3,10 @@
 One run measures, interleaved per repeat so machine noise hits every column alike:
 
 - kvtag Put and Get throughput (GB/s, 1 GB = 1e9 bytes) for 64 KiB, 1 MiB and 4 MiB values, batched
-  under the server's Limits.max_message_bytes, through the generated stubs against a real
-  `kvtag-store serve` subprocess;
+  under the server's Limits.max_message_bytes, against a real `kvtag-store serve` subprocess. Put
+  requests are encoded inside the timer by the client library's encoder (kvtag_client.put_encoding,
+  what StoreClient sends); at 1 MiB also through the generated stubs, for comparison. Get goes
+  through the generated stubs, as in StoreClient;
 - the same bytes through a plain gRPC bytes service in its own subprocess with the kvtag server's
   threading model (a sync server on a thread pool): upload (bytes in, empty reply), download (tiny
   request, bytes out) at the kvtag batch size, and echo (bytes in, same bytes out) at the value size;
@@ -48,6 +50,7 @@ import grpc
 from google.protobuf.internal import api_implementation
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_client.put_encoding import PutItemFields, encode_put_request
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -320,8 +323,15 @@ class KvtagBench:
             },
         }
 
-    def put_batches(self, plan: Plan, pool: ValuePool, tag: str) -> list[pb.PutRequest]:
-        """Requests built ahead of the timed calls (message construction is client-side, not service cost)."""
+    def put_batches(self, plan: Plan, pool: ValuePool, tag: str) -> list[list[PutItemFields]]:
+        """(group, key, value, base_key) items per batch, as StoreClient.put takes them."""
+        return [
+            [(0, block_key(tag, b * plan.batch_items + i), pool[i + b], b"") for i in range(plan.batch_items)]
+            for b in range(plan.batches)
+        ]
+
+    def put_generated_batches(self, plan: Plan, pool: ValuePool, tag: str) -> list[pb.PutRequest]:
+        """Generated messages built ahead of the timed calls (serialization happens inside the timer)."""
         requests = []
         for b in range(plan.batches):
             items = [
@@ -342,35 +352,33 @@ class KvtagBench:
             for b in range(plan.batches)
         ]
 
-    def put_call(self, request: pb.PutRequest, expect_bytes: int) -> Callable[[], int]:
-        def call() -> int:
-            response = self.stub.Put(request)
-            stored = sum(1 for r in response.results if r.status == pb.STORED)
-            if stored != len(request.items):
-                reasons = {
-                    (pb.PutStatus.Name(r.status), r.reason) for r in response.results if r.status != pb.STORED
-                }
-                raise SystemExit(f"put stored {stored}/{len(request.items)}: {reasons}")
-            return expect_bytes
-
-        return call
-
-    def put_wire_call(self, items: Sequence[tuple[bytes, bytes]], expect_bytes: int) -> Callable[[], int]:
-        """Put with the request encoded by hand inside the timer: server cost with a near-free client."""
+    def put_call(self, items: Sequence[PutItemFields], expect_bytes: int) -> Callable[[], int]:
+        """Put with the request encoded inside the timer by the client library, as StoreClient does."""
 
         def call() -> int:
             response = self.put_raw(encode_put_request(self.session_id, items))
-            if sum(1 for r in response.results if r.status == pb.STORED) != len(items):
-                raise SystemExit("hand-encoded put was not stored")
+            self.check_stored(response, len(items))
             return expect_bytes
 
         return call
 
-    def wire_items(self, plan: Plan, pool: ValuePool, tag: str) -> list[list[tuple[bytes, bytes]]]:
-        return [
-            [(block_key(tag, b * plan.batch_items + i), pool[i + b]) for i in range(plan.batch_items)]
-            for b in range(plan.batches)
-        ]
+    def put_generated_call(self, request: pb.PutRequest, expect_bytes: int) -> Callable[[], int]:
+        """Put through the generated stub: upb serializes the prepared message inside the timer."""
+
+        def call() -> int:
+            self.check_stored(self.stub.Put(request), len(request.items))
+            return expect_bytes
+
+        return call
+
+    @staticmethod
+    def check_stored(response: pb.PutResponse, expected: int) -> None:
+        stored = sum(1 for r in response.results if r.status == pb.STORED)
+        if stored != expected:
+            reasons = {
+                (pb.PutStatus.Name(r.status), r.reason) for r in response.results if r.status != pb.STORED
+            }
+            raise SystemExit(f"put stored {stored}/{expected}: {reasons}")
 
     def get_call(self, request: pb.GetRequest) -> Callable[[], int]:
         def call() -> int:
@@ -423,34 +431,12 @@ class KvtagBench:
             self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id))
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def encode_put_request(session_id: str, items: Sequence[tuple[bytes, bytes]]) -> bytes:
-    """PutRequest wire bytes joined around the values: one copy, no protobuf buffer growth.
-
-    Same bytes as the generated SerializeToString (checked at start-up by check_put_encoding).
-    """
-    sid = session_id.encode()
-    parts = [b"\x0a" + varint(len(sid)) + sid]
-    for key, value in items:
-        block = b"\x0a" + varint(len(key)) + key
-        head = b"\x0a" + varint(len(block)) + block + b"\x12" + varint(len(value))
-        parts.append(b"\x12" + varint(len(head) + len(value)) + head)
-        parts.append(value)
-    return b"".join(parts)
-
-
 def check_put_encoding() -> None:
-    items = [(b"k" * 32, b"v" * 300), (b"q", os.urandom(70000))]
+    """A start-up sanity check of the client encoder (tests/client/test_put_encoding.py proves it)."""
+    items: list[PutItemFields] = [(0, b"k" * 32, b"v" * 300, b""), (3, b"q", os.urandom(70000), b"b" * 32)]
     generated = pb.PutRequest(
-        session_id="s-1", items=[pb.PutItem(block=pb.BlockRef(key=k), value=v) for k, v in items]
+        session_id="s-1",
+        items=[pb.PutItem(block=pb.BlockRef(key=k, group=g, base_key=bk), value=v) for g, k, v, bk in items],
     ).SerializeToString()
     if encode_put_request("s-1", items) != generated:
         raise SystemExit("hand-encoded PutRequest differs from the generated encoding")
@@ -790,10 +776,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             # Warm-up: connections, thread pools, allocator, every download size.
             for p in plans:
-                for call in kv.put_batches(
+                for items in kv.put_batches(
                     Plan(p.value_size, p.batch_items, 1), pools[p.value_size], f"warm/{p.value_size}"
                 ):
-                    kv.put_call(call, p.batch_bytes)()
+                    kv.put_call(items, p.batch_bytes)()
                 for greq in kv.get_batches(Plan(p.value_size, p.batch_items, 1), f"warm/{p.value_size}"):
                     kv.get_call(greq)()
                 ref.download_call(p.batch_bytes)()
@@ -824,7 +810,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     del payload
                     puts = kv.put_batches(p, pool, tag)
                     series[label]["kvtag_put"].samples.append(
-                        timed_calls([kv.put_call(r, p.batch_bytes) for r in puts], kv_server)
+                        timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server)
                     )
                     del puts
                     series[label]["grpc_download"].samples.append(
@@ -840,14 +826,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             timed_calls([ref.upload_call(payload)] * p.batches, echo_server, 2)
                         )
                         del payload
-                        puts = kv.put_batches(p, pool, tag + "/2inflight")
-                        wire_batches = kv.wire_items(p, pool, tag + "/wire")
-                        series[label]["kvtag_put_wire"].samples.append(
-                            timed_calls([kv.put_wire_call(w, p.batch_bytes) for w in wire_batches], kv_server)
+                        generated = kv.put_generated_batches(p, pool, tag + "/generated")
+                        series[label]["kvtag_put_generated"].samples.append(
+                            timed_calls(
+                                [kv.put_generated_call(r, p.batch_bytes) for r in generated], kv_server
+                            )
                         )
-                        del wire_batches
+                        del generated
+                        puts = kv.put_batches(p, pool, tag + "/2inflight")
                         series[label]["kvtag_put_2inflight"].samples.append(
-                            timed_calls([kv.put_call(r, p.batch_bytes) for r in puts], kv_server, 2)
+                            timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server, 2)
                         )
                         del puts
                         series[label]["grpc_download_2inflight"].samples.append(
@@ -898,8 +886,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
                     def put_work() -> None:
                         recent.append(f"profile/{next(counter)}")
-                        for r in kv.put_batches(one, pools[MiB], recent[-1]):
-                            kv.put_call(r, one.batch_bytes)()
+                        for items in kv.put_batches(one, pools[MiB], recent[-1]):
+                            kv.put_call(items, one.batch_bytes)()
 
                     def get_work() -> None:  # reads the latest profile puts: older ones may be evicted
                         recent.rotate(1)
@@ -947,8 +935,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "put/memcpy_fresh": round(med["kvtag_put"] / med["memcpy_fresh"], 4),
             "get/memcpy": round(med["kvtag_get"] / med["memcpy"], 4),
         }
-        if "kvtag_put_wire" in med:
-            ratios["put_wire/grpc_upload"] = round(med["kvtag_put_wire"] / med["grpc_upload"], 3)
+        if "kvtag_put_generated" in med:
+            ratios["put_generated/grpc_upload"] = round(med["kvtag_put_generated"] / med["grpc_upload"], 3)
         if "kvtag_put_2inflight" in med:
             ratios["put_2inflight/grpc_upload_2inflight"] = round(
                 med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
@@ -983,8 +971,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
             "session": kv.session_info,
             "GB": "1e9 bytes",
-            "timed": "the RPC calls only (client serialize, transport, server, client parse, Get value "
-            "extraction); request message construction is outside the timer",
+            "timed": "the RPC calls (client encoding of Put requests by kvtag_client.put_encoding, or upb "
+            "serialization of prepared messages for kvtag_put_generated and Get, transport, server, client "
+            "parse, Get value extraction); building item lists and Get/generated Put messages is outside",
         },
         "server_state_after": server_state,
         "throughput": results,
@@ -1007,7 +996,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row[k]['GBps_median']:7.3f} [{row[k]['GBps_min']:.2f}-{row[k]['GBps_max']:.2f}]" for k in kinds
         ]
         print(f"{label:>8} " + " ".join(f"{c:>20}" for c in cells))
-    extra = ("kvtag_put_wire", "kvtag_put_2inflight", "kvtag_get_2inflight", "grpc_upload_2inflight")
+    extra = ("kvtag_put_generated", "kvtag_put_2inflight", "kvtag_get_2inflight", "grpc_upload_2inflight")
     for label, row in report["throughput"].items():
         for kind in (k for k in (*extra, "grpc_download_2inflight") if k in row):
             cell = (
