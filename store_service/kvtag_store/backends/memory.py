@@ -8,11 +8,12 @@ bounded by the key count).
 from __future__ import annotations
 
 import threading
-import zlib
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from itertools import repeat
 from operator import attrgetter
+
+import xxhash
 
 from kvtag_store.backends.base import (
     BackendStats,
@@ -37,9 +38,12 @@ _PUT_CHUNK = 1024
 _StoreKey = tuple[str, BlockAddress]
 
 
-def checksum(value: bytes) -> int:
-    """CRC-32 (zlib): about 5 GiB/s here and releases the GIL on large buffers."""
-    return zlib.crc32(value)
+# The checksum of every stored value, chosen here only: xxh3-64. It runs at about 24 GB/s here against
+# 5.7 for zlib's CRC-32 (which cost 26% of a 1 MiB Get's server time) and releases the GIL like it.
+# A corrupted value passes unnoticed with probability 2**-64 (CRC-32 catches every single-bit flip
+# for certain, any other damage with 2**-32). Values live in process memory only: nothing persisted
+# depends on the choice.
+checksum = xxhash.xxh3_64_intdigest
 
 
 class _Entry:
@@ -47,10 +51,10 @@ class _Entry:
 
     __slots__ = ("checksum", "mode_id", "value")
 
-    def __init__(self, mode_id: str, value: bytes, crc: int) -> None:
+    def __init__(self, mode_id: str, value: bytes, digest: int) -> None:
         self.mode_id = mode_id
         self.value = value
-        self.checksum = crc
+        self.checksum = digest
 
 
 _VALUE = attrgetter("value")
@@ -106,10 +110,10 @@ class MemoryBackend:
     def put_many(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
     ) -> list[PutResult]:
-        """Checksums first, outside the lock (CRC-32 releases the GIL); then the items in order under
+        """Checksums first, outside the lock (the checksum releases the GIL); then the items in order under
         one lock acquisition per _PUT_CHUNK items (so a huge batch does not stall Lookups for long);
         a repeated address sees the earlier item."""
-        crcs = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
+        digests = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
         results: list[PutResult] = []
         for start in range(0, len(items), _PUT_CHUNK):
             with self._lock:
@@ -117,15 +121,21 @@ class MemoryBackend:
                 if ns is None:
                     ns = self._namespaces[namespace_id] = _Namespace()
                 results.extend(
-                    self._put_locked(namespace_id, ns, mode_id, address, value, crc)
-                    for (address, value), crc in zip(
-                        items[start : start + _PUT_CHUNK], crcs[start : start + _PUT_CHUNK], strict=True
+                    self._put_locked(namespace_id, ns, mode_id, address, value, digest)
+                    for (address, value), digest in zip(
+                        items[start : start + _PUT_CHUNK], digests[start : start + _PUT_CHUNK], strict=True
                     )
                 )
         return results
 
     def _put_locked(
-        self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, value: bytes, crc: int
+        self,
+        namespace_id: str,
+        ns: _Namespace,
+        mode_id: str,
+        address: BlockAddress,
+        value: bytes,
+        digest: int,
     ) -> PutResult:
         """One item of put_many. Caller holds the lock."""
         size = len(value)
@@ -147,7 +157,7 @@ class MemoryBackend:
                 f"store full of leased blocks: {self._pinned_bytes()} of {self._capacity} bytes are "
                 "leased; release leases (Get with lease_id, ReleaseLeases) or raise --capacity",
             )
-        entry = _Entry(mode_id, value, crc)
+        entry = _Entry(mode_id, value, digest)
         ns.entries[address] = entry
         mode_entries = ns.by_mode.get(mode_id)
         if mode_entries is None:
@@ -245,7 +255,7 @@ class MemoryBackend:
         hits = found if None not in found else [e for e in found if e is not None]
         if not hits:
             return
-        if list(map(zlib.crc32, map(_VALUE, hits))) == list(map(_CHECKSUM, hits)):
+        if list(map(checksum, map(_VALUE, hits))) == list(map(_CHECKSUM, hits)):
             return
         with self._lock:
             ns = self._namespaces.get(namespace_id)
