@@ -315,6 +315,12 @@ def test_store_answering_errors_degrades_without_raising_then_recovers(
             wait_until(lambda: proxy.failed_calls >= 5, 5.0, "background retries against the failing store")
             proxy.failing.clear()
             wait_until(lambda: client.state is StoreState.CONNECTED, 5.0, "recovery once errors stop")
+            # The client logs the recovery just after it flips the state (outside its lock).
+            wait_until(
+                lambda: any("is back" in r.getMessage() for r in caplog.records),
+                5.0,
+                "a log line saying the store is back",
+            )
         outage_logs = [r.getMessage() for r in caplog.records if "not answering" in r.getMessage()]
         assert len(outage_logs) == 1
         assert "UNAVAILABLE/BACKEND_UNAVAILABLE" in outage_logs[0] and "injected fault" in outage_logs[0]
