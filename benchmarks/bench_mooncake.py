@@ -8,7 +8,7 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 - service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
             and the same service over its memory backend (gRPC + service layer without Mooncake);
 - parts:    where the backend's extra time goes, each part timed alone on the same blocks
-            (CRC-32 of the values, the header read-back of a put, the replica-list lookup of a get).
+            (CRC-32 of the values, the header read-back of a put, the existence check of a get).
 
 Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). The results
 record the load average before and after each repeat: other work on the machine moves the times. Every
@@ -86,7 +86,7 @@ ROWS = (
     "memory_service_get",
     "crc32",
     "put_readback",
-    "get_replica_list",
+    "get_exist_check",
 )
 
 
@@ -120,8 +120,8 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     def backend_get(b: list[int]) -> None:
         rig.backend.get(ns, MODE, [(0, BlockKey(keys[i])) for i in b])
 
-    def replica_list(b: list[int]) -> None:
-        rig.raw.batch_get_replica_desc([mkeys[i] for i in b])
+    def exist_check(b: list[int]) -> None:
+        rig.raw.batch_is_exist([mkeys[i] for i in b])
 
     def backend_put(b: list[int]) -> None:
         for i in b:
@@ -148,7 +148,7 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
         ("backend_put", backend_put),
         ("backend_put_many", backend_put_many),
         ("backend_get", backend_get),
-        ("get_replica_list", replica_list),
+        ("get_exist_check", exist_check),
     ):
         for b in batches:
             clock(row, call, b)
@@ -284,7 +284,7 @@ def table(results: dict[str, Any]) -> str:
         for op, backend, parts in (
             ("put", "backend_put", f"crc32 {med['crc32']:.1f}, header read-back {med['put_readback']:.1f}"),
             ("putN", "backend_put_many", "put_many: one put_batch + one read-back per chunk"),
-            ("get", "backend_get", f"crc32 {med['crc32']:.1f}, replica list {med['get_replica_list']:.1f}"),
+            ("get", "backend_get", f"crc32 {med['crc32']:.1f}, existence check {med['get_exist_check']:.1f}"),
         ):
             kind = "get" if op == "get" else "put"
             service = f"{med['service_' + kind]:8.1f}" if op != "putN" else f"{'':>8}"

@@ -35,7 +35,6 @@ from kvtag_store.backends.mooncake_format import (
     decode_header,
     encode_header,
     object_key,
-    payload_checksum,
     verify_payload,
 )
 
@@ -52,14 +51,6 @@ _HEADER_SLOTS = 1024
 _VERIFY_ATTEMPTS = 5
 _VERIFY_BACKOFF_S = 0.02
 _BREAKER_S = 1.0
-_MISS = ReadResult(KeyStatus.MISS)
-_MODE_MISMATCH = ReadResult(KeyStatus.MODE_MISMATCH)
-# CPython's C API, with private prototypes (not the shared ctypes.pythonapi attributes): a bytes object
-# of a given size whose contents its creator fills before anyone else sees it, and its contents' address.
-_new_bytes = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
-    ("PyBytes_FromStringAndSize", ctypes.pythonapi)
-)
-_bytes_address = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(("PyBytes_AsString", ctypes.pythonapi))
 
 
 class MooncakeClient(Protocol):
@@ -70,10 +61,6 @@ class MooncakeClient(Protocol):
     def put(self, key: str, value: Any, config: Any = ...) -> int: ...
     def get(self, key: str) -> bytes: ...
     def get_batch(self, keys: list[str]) -> list[bytes]: ...
-    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
-    def batch_get_into_multi_buffers(
-        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
-    ) -> list[int]: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
     def batch_remove(self, keys: list[str], force: bool = ...) -> list[int]: ...
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
@@ -175,70 +162,6 @@ class _HeaderReader:
         self._client.unregister_buffer(self._ptr)
 
 
-class _PayloadReader:
-    """Reads whole values with the header and the payload landing in separate memory.
-
-    get_batch stages each value in the client's local buffer, copies it into a
-    bytes object, and the header then has to be sliced off with another copy;
-    in the service those two copies into fresh memory cost about as much as the
-    transfer. Here Mooncake writes each value once: its header into a scratch
-    buffer, its payload straight into the bytes object that is served, both
-    registered with the transfer engine only for the call. The buffers must add
-    up to the object's size exactly (Mooncake refuses a read otherwise), so the
-    sizes come from the master's replica descriptors first.
-    """
-
-    def __init__(self, client: MooncakeClient) -> None:
-        self._client = client
-
-    def read(self, keys: Sequence[str], max_bytes: int) -> list[tuple[memoryview, bytes, int] | None]:
-        """Per key: (header, payload, code), code being the bytes read or a negative Mooncake code (-704
-        when the key went missing); None when the key has no in-memory replica of a size between a
-        header and max_bytes, for the caller to read whole."""
-        descriptors = self._client.batch_get_replica_desc(list(keys))
-        sizes = [_memory_size(descriptors.get(key, ())) for key in keys]
-        wanted = [i for i, size in enumerate(sizes) if size is not None and HEADER_BYTES < size <= max_bytes]
-        out: list[tuple[memoryview, bytes, int] | None] = [None] * len(keys)
-        for i, size in enumerate(sizes):
-            if size is None and keys[i] not in descriptors:
-                out[i] = (memoryview(b""), b"", MooncakeCode.OBJECT_NOT_FOUND)
-        if not wanted:
-            return out
-        headers: bytes = _new_bytes(None, HEADER_BYTES * len(wanted))
-        payloads: list[bytes] = [_new_bytes(None, (sizes[i] or 0) - HEADER_BYTES) for i in wanted]
-        base = _bytes_address(headers)
-        pointers = [base, *map(_bytes_address, payloads)]
-        lengths = [HEADER_BYTES * len(wanted), *map(len, payloads)]
-        registered: list[int] = []
-        try:
-            for pointer, length in zip(pointers, lengths, strict=True):
-                rc = self._client.register_buffer(pointer, length)
-                if rc != 0:
-                    raise BackendUnavailable(f"cannot register a read buffer with Mooncake: {describe(rc)}")
-                registered.append(pointer)
-            codes = self._client.batch_get_into_multi_buffers(
-                [keys[i] for i in wanted],
-                [[base + n * HEADER_BYTES, pointer] for n, pointer in enumerate(pointers[1:])],
-                [[HEADER_BYTES, len(payload)] for payload in payloads],
-            )
-        finally:
-            for pointer in registered:
-                self._client.unregister_buffer(pointer)
-        view = memoryview(headers)
-        for n, (i, payload) in enumerate(zip(wanted, payloads, strict=True)):
-            code = codes[n] if n < len(codes) else int(MooncakeCode.TRANSFER_FAIL)
-            out[i] = (view[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], payload, code)
-        return out
-
-
-def _memory_size(replicas: Sequence[Any]) -> int | None:
-    """The object size an in-memory replica records (all replicas of an object hold the same bytes)."""
-    for replica in replicas:
-        if replica.is_memory_replica():
-            return int(replica.get_memory_descriptor().buffer_descriptor.size)
-    return None
-
-
 class _LeaseKeeper:
     """Holds Mooncake read leases on pinned objects by re-reading their existence every ttl/3.
 
@@ -295,7 +218,6 @@ class MooncakeBackend:
         self._client = client
         self._settings = settings
         self._headers = _HeaderReader(client)
-        self._payloads = _PayloadReader(client)
         self._leases = _LeaseKeeper(client, settings.lease_ttl_ms)
         self.errors = ErrorCounters()
         self._corrupted = 0
@@ -307,7 +229,7 @@ class MooncakeBackend:
 
     @property
     def max_value_bytes(self) -> int:
-        # put_parts and put_batch stage values in the local buffer; leave room for concurrent calls.
+        # put_parts and get_batch stage values in the local buffer; leave room for concurrent calls.
         return self._settings.local_buffer_bytes // 4 - HEADER_BYTES
 
     def _check_master(self, what: str) -> None:
@@ -515,82 +437,57 @@ class MooncakeBackend:
         return statuses
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
-        """Each value in one read, its payload landing in the bytes that are served; header, namespace
-        digest, length and CRC-32 checked on every value.
-
-        The master's replica list says which keys exist (and their sizes). It, the reads and get_batch
-        come back empty alike for a missing key and a failed master (after seconds of retries), so
-        keys found missing get an existence check, which tells the two apart: only a Get with misses
-        pays that extra master call, and a down master still gives UNAVAILABLE, never misses.
-        """
         if not addresses:
             return []
         self._check_master("reading")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
-        results = [_MISS] * len(mkeys)
+        values = self._fetch(mkeys)
+        results: list[ReadResult] = []
         corrupt: list[str] = []
-        reads = self._payloads.read(mkeys, HEADER_BYTES + self.max_value_bytes)
-        missing = [i for i, read in enumerate(reads) if read is not None and read[2] == _MISSING]
-        if missing and any(code < 0 for code in self._client.batch_is_exist([mkeys[i] for i in missing])):
-            # -1: the master failed. A key that exists by now was put while this read ran: a miss.
-            self.errors.add(_RPC_FAIL)
-            raise self._unavailable("reading blocks", _RPC_FAIL)
-        for index, read in enumerate(reads):
-            (group, key), mkey = addresses[index], mkeys[index]
-            if read is None:
-                results[index] = self._get_whole(namespace_id, mode_id, (group, key), mkey, corrupt)
-                continue
-            header_bytes, payload, code = read
-            if code == _RPC_FAIL:
-                self.errors.add(code)
-                raise self._unavailable("reading blocks", code)
-            if code == _MISSING:
-                continue
-            if code != HEADER_BYTES + len(payload):
-                # -800 is also what a value resized since its descriptor was read gets: read it whole,
-                # which tells an unreachable storage process from a changed value.
-                results[index] = self._get_whole(namespace_id, mode_id, (group, key), mkey, corrupt)
+        for (group, key), mkey, value in zip(addresses, mkeys, values, strict=True):
+            if not value:
+                results.append(ReadResult(KeyStatus.MISS))
                 continue
             try:
-                header = decode_header(header_bytes, namespace_id, group, key)
+                header = decode_header(value, namespace_id, group, key)
                 if header.mode_id != mode_id:
-                    results[index] = _MODE_MISMATCH
+                    results.append(ReadResult(KeyStatus.MODE_MISMATCH))
                     continue
-                if header.payload_bytes != len(payload):
-                    raise FormatError(f"payload is {len(payload)} bytes, header says {header.payload_bytes}")
-                if payload_checksum(payload) != header.payload_crc:
-                    raise FormatError("payload checksum mismatch")
+                payload = verify_payload(header, value)
             except FormatError:
                 corrupt.append(mkey)
+                results.append(ReadResult(KeyStatus.MISS))
                 continue
-            results[index] = ReadResult(KeyStatus.HIT, payload)
+            results.append(ReadResult(KeyStatus.HIT, bytes(payload)))
         if corrupt:
             self._drop_corrupt(corrupt)
         return results
 
-    def _get_whole(
-        self, namespace_id: str, mode_id: str, address: BlockAddress, mkey: str, corrupt: list[str]
-    ) -> ReadResult:
-        """One block from get (a copy more than the batched read): for values of unusual size, values
-        resized between their descriptor and their read, and reads that failed."""
-        value = self._client.get(mkey)
-        if not value:
-            exists = self._client.batch_is_exist([mkey])[0]
-            if exists == 1:
-                self.errors.add(MooncakeCode.TRANSFER_FAIL)  # listed, but its storage is unreachable
-            elif exists != 0:
-                self.errors.add(_RPC_FAIL)
-                raise self._unavailable("reading blocks", _RPC_FAIL)
-            return _MISS
-        try:
-            header = decode_header(value, namespace_id, *address)
-            if header.mode_id != mode_id:
-                return _MODE_MISMATCH
-            payload = verify_payload(header, value)
-        except FormatError:
-            corrupt.append(mkey)
-            return _MISS
-        return ReadResult(KeyStatus.HIT, bytes(payload))
+    def _fetch(self, mkeys: list[str]) -> list[bytes]:
+        """Whole values of the keys that exist (b"" for the rest).
+
+        get_batch returns b"" alike for a missing key, an unreachable storage
+        process and a failed master (after seconds of retries), so an existence
+        check comes first: it fails fast when the master is down, spares the
+        transfer for misses, and a key that exists but reads empty is a transfer
+        failure. Keys a batch could not stage (local buffer full) are read alone.
+        """
+        exists = self._client.batch_is_exist(mkeys)
+        if any(code == _RPC_FAIL or code == -1 for code in exists):
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable("reading blocks", _RPC_FAIL)
+        present = [i for i, code in enumerate(exists) if code == 1]
+        values = [b""] * len(mkeys)
+        if not present:
+            return values
+        for i, value in zip(present, self._client.get_batch([mkeys[i] for i in present]), strict=True):
+            if not value:
+                value = self._client.get(mkeys[i])
+                if not value:
+                    # Listed by the master, unreadable from its storage process (killed or cut off).
+                    self.errors.add(MooncakeCode.TRANSFER_FAIL)
+            values[i] = value
+        return values
 
     # -- leases -------------------------------------------------------------
 
