@@ -4,9 +4,9 @@ One run measures, interleaved per repeat so machine noise hits every column alik
 
 - kvtag Put and Get throughput (GB/s, 1 GB = 1e9 bytes) for 64 KiB, 1 MiB and 4 MiB values, batched
   under the server's Limits.max_message_bytes, against a real `kvtag-store serve` subprocess. Put
-  requests are encoded and Get replies read inside the timer by the client library's codecs
-  (kvtag_client.put_encoding, get_decoding: what StoreClient does); at 1 MiB also through the
-  generated stubs, for comparison;
+  requests are encoded inside the timer by the client library's encoder (kvtag_client.put_encoding,
+  what StoreClient sends); at 1 MiB also through the generated stubs, for comparison. Get goes
+  through the generated stubs, as in StoreClient;
 - the same bytes through a plain gRPC bytes service in its own subprocess with the kvtag server's
   threading model (a sync server on a thread pool): upload (bytes in, empty reply), download (tiny
   request, bytes out) at the kvtag batch size, and echo (bytes in, same bytes out) at the value size;
@@ -50,7 +50,6 @@ import grpc
 from google.protobuf.internal import api_implementation
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from kvtag_client.get_decoding import decode_get_response
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 
 KiB = 1024
@@ -308,11 +307,6 @@ class KvtagBench:
         self.put_raw = channel.unary_unary(
             "/kvtag.v1.KvStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString
         )
-        self.get_raw = channel.unary_unary(
-            "/kvtag.v1.KvStore/Get",
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None,
-        )
         self.server = server
         opened = self.stub.OpenSession(open_session_request())
         self.session_id: str = opened.session_id
@@ -387,21 +381,6 @@ class KvtagBench:
             raise SystemExit(f"put stored {stored}/{expected}: {reasons}")
 
     def get_call(self, request: pb.GetRequest) -> Callable[[], int]:
-        """Get with the reply read by the client library's decoder, as StoreClient does."""
-
-        def call() -> int:
-            results = decode_get_response(self.get_raw(request))
-            # Taking the values out is part of what every client pays for a Get.
-            values = [value for status, value in results if status == pb.HIT]
-            if len(values) != len(request.blocks):
-                raise SystemExit(f"get hit {len(values)}/{len(request.blocks)} blocks")
-            return sum(map(len, values))
-
-        return call
-
-    def get_generated_call(self, request: pb.GetRequest) -> Callable[[], int]:
-        """Get through the generated stub: upb parses the reply."""
-
         def call() -> int:
             response = self.stub.Get(request)
             # Taking the values out is part of what every client pays for a Get.
@@ -854,10 +833,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             )
                         )
                         del generated
-                        gets = kv.get_batches(p, tag + "/generated")
-                        series[label]["kvtag_get_generated"].samples.append(
-                            timed_calls([kv.get_generated_call(r) for r in gets], kv_server)
-                        )
                         puts = kv.put_batches(p, pool, tag + "/2inflight")
                         series[label]["kvtag_put_2inflight"].samples.append(
                             timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server, 2)
@@ -962,9 +937,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         if "kvtag_put_generated" in med:
             ratios["put_generated/grpc_upload"] = round(med["kvtag_put_generated"] / med["grpc_upload"], 3)
-            ratios["get_generated/grpc_download"] = round(
-                med["kvtag_get_generated"] / med["grpc_download"], 3
-            )
         if "kvtag_put_2inflight" in med:
             ratios["put_2inflight/grpc_upload_2inflight"] = round(
                 med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
@@ -999,10 +971,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
             "session": kv.session_info,
             "GB": "1e9 bytes",
-            "timed": "the RPC calls: client encoding of Put requests (kvtag_client.put_encoding; upb "
-            "serialization of prepared messages for kvtag_put_generated), transport, server, client parse "
-            "(kvtag_client.get_decoding; upb for kvtag_get_generated) and Get value extraction; building "
-            "item lists and Get/generated Put messages is outside",
+            "timed": "the RPC calls (client encoding of Put requests by kvtag_client.put_encoding, or upb "
+            "serialization of prepared messages for kvtag_put_generated and Get, transport, server, client "
+            "parse, Get value extraction); building item lists and Get/generated Put messages is outside",
         },
         "server_state_after": server_state,
         "throughput": results,
@@ -1025,13 +996,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{row[k]['GBps_median']:7.3f} [{row[k]['GBps_min']:.2f}-{row[k]['GBps_max']:.2f}]" for k in kinds
         ]
         print(f"{label:>8} " + " ".join(f"{c:>20}" for c in cells))
-    extra = (
-        "kvtag_put_generated",
-        "kvtag_get_generated",
-        "kvtag_put_2inflight",
-        "kvtag_get_2inflight",
-        "grpc_upload_2inflight",
-    )
+    extra = ("kvtag_put_generated", "kvtag_put_2inflight", "kvtag_get_2inflight", "grpc_upload_2inflight")
     for label, row in report["throughput"].items():
         for kind in (k for k in (*extra, "grpc_download_2inflight") if k in row):
             cell = (
