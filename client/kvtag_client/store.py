@@ -19,14 +19,12 @@ from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
-from kvtag_client.get_decoding import GetResultFields, decode_get_response
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 
 log = logging.getLogger(__name__)
@@ -186,17 +184,6 @@ class StoreClient:
             "/kvtag.v1.KvStore/PutStream",
             request_serializer=None,
             response_deserializer=pb.PutResponse.FromString,
-        )
-        # Get and GetStream with replies read by get_decoding (the raw message bytes come back).
-        self._get_raw = self._channel.unary_unary(
-            "/kvtag.v1.KvStore/Get",
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None,
-        )
-        self._get_stream_raw = self._channel.unary_stream(
-            "/kvtag.v1.KvStore/GetStream",
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=None,
         )
         self._thread = threading.Thread(target=self._maintain, name="kvtag-store-heartbeat", daemon=True)
         self._thread.start()
@@ -656,35 +643,26 @@ class StoreClient:
                     refs: list[pb.BlockRef] = refs,
                     last: bool = last,
                     stream: bool = stream,
-                ) -> list[GetResultFields]:
+                ) -> list[pb.GetResult]:
                     request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
                     if not stream:
-                        return self._decode_get(self._get_raw(request, timeout=timeout))
-                    results: list[GetResultFields] = []
-                    for part in self._get_stream_raw(request, timeout=timeout):
-                        results.extend(self._decode_get(part))
+                        response: pb.GetResponse = self._stub.Get(request, timeout=timeout)
+                        return list(response.results)
+                    results: list[pb.GetResult] = []
+                    for part in self._stub.GetStream(request, timeout=timeout):
+                        results.extend(part.results)
                     return results
 
-                for n, (status, value) in zip(chunk, self._call(deadline, rpc), strict=False):
-                    if status == pb.HIT:
-                        values[n] = value
-                        self._value_bytes_estimate = max(self._value_bytes_estimate, len(value))
+                for n, result in zip(chunk, self._call(deadline, rpc), strict=False):
+                    if result.status == pb.HIT:
+                        values[n] = result.value
+                        self._value_bytes_estimate = max(self._value_bytes_estimate, len(result.value))
         except _CallFailed:
             if lease_id:
                 self.release(lease_id)
         with self._lock:
             self.counters.get_failed += sum(1 for v in values if v is None)
         return values
-
-    def _decode_get(self, data: bytes) -> list[GetResultFields]:
-        """A reply that does not parse fails the call (as a deserializer error would), never the caller."""
-        try:
-            return decode_get_response(data)
-        except DecodeError as err:
-            with self._lock:
-                self.counters.degraded_calls += 1
-            log.error("kvtag store %s sent an unparseable GetResponse: %s", self.endpoint, err)
-            raise _CallFailed("unparseable reply") from err
 
     def release(self, lease_id: str) -> None:
         """Release a lookup lease early (best effort; leases also expire on their own)."""
