@@ -1,4 +1,5 @@
-"""The batched read path on a real cluster: payloads read straight into the served bytes, still checked.
+"""Reads on a real cluster: every size served exactly, damaged or resized values never served, and a
+down master an error rather than misses (the checks any faster read path must keep).
 
 Values are planted with a raw Mooncake client to break them in ways kvtag's own puts never do.
 """
