@@ -9,7 +9,9 @@ import pytest
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
 
-from .store_harness import StoreProcess, free_port, namespace
+from tests.store_process import StoreProcess
+
+from .store_harness import namespace
 
 StoreFactory = Callable[..., StoreProcess]
 
@@ -20,7 +22,7 @@ def start_store(tmp_path: Path) -> Iterator[StoreFactory]:
     started: list[StoreProcess] = []
 
     def factory(*args: str, port: int | None = None, start: bool = True) -> StoreProcess:
-        store = StoreProcess(port or free_port(), list(args), tmp_path / f"store-{len(started)}.log")
+        store = StoreProcess(tmp_path / f"store-{len(started)}.log", *args, port=port)
         started.append(store)
         if start:
             store.start()
@@ -34,7 +36,7 @@ def start_store(tmp_path: Path) -> Iterator[StoreFactory]:
 @pytest.fixture(scope="module")
 def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
     """One isolate-policy store for the tests that do not fault it."""
-    store = StoreProcess(free_port(), [], tmp_path_factory.mktemp("store") / "store.log")
+    store = StoreProcess(tmp_path_factory.mktemp("store") / "store.log")
     store.start()
     yield store
     store.stop()

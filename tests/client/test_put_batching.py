@@ -8,7 +8,9 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
 from kvtag_client.store import _ITEM_OVERHEAD, StoreClient
 
-from .store_harness import free_port, namespace
+from tests.store_process import free_port
+
+from .store_harness import namespace
 
 
 @settings(max_examples=200, deadline=None)

@@ -20,9 +20,10 @@ from kvtag_client import keys
 from kvtag_client.store import StoreState
 from kvtag_proto.ids import probe_tokens
 
+from tests.store_process import StoreProcess, free_port, wait_until
+
 from .conftest import ClientFactory, StoreFactory
 from .fault_proxy import FaultProxy
-from .store_harness import StoreProcess, free_port, wait_until
 
 TOKENS = list(range(1000, 1000 + 16 * 6 + 1))
 

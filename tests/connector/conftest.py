@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine, Setup, llama_dir, qwen3_next_dir
-from .store_process import StoreProcess
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine, assert_scheduler_empty
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 FAST = {"rpc_timeout_ms": 300, "reconnect_interval_ms": 200}

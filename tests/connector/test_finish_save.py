@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 from vllm.v1.request import RequestStatus
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine, assert_scheduler_empty
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 

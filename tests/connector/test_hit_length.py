@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from kvtag_client import keys as keys_mod
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine
-from .store_process import StoreProcess
 
 B = 16
 _prompt_ids = itertools.count(1)

@@ -16,8 +16,9 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.request import RequestStatus
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine, assert_scheduler_empty
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 VECTORS = json.loads(

@@ -16,8 +16,9 @@ import torch
 from kvtag_client.connector import KvtagConnector
 from vllm.v1.request import RequestStatus
 
+from tests.store_process import StoreProcess
+
 from .harness import MAMBA_STATE, Engine, assert_scheduler_empty, state_value
-from .store_process import StoreProcess
 from .test_hit_length import fresh_prompt
 
 H = 64  # block size of the hybrid recipe (hash blocks of 16 tokens inside)

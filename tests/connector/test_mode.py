@@ -10,8 +10,9 @@ from kvtag_client.connector import KvtagConnector, compat
 from kvtag_client.connector.config import ConnectorConfigError, parse
 from kvtag_proto import ids
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine
-from .store_process import StoreProcess
 from .test_hit_length import B
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine
 from .hash_seed_engine import serve_once
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
+from tests.store_process import StoreProcess
+
 from .harness import Engine, assert_scheduler_empty
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 

@@ -11,8 +11,9 @@ from kvtag_client.connector.blocks import gather
 from kvtag_client.connector.metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob, SaveJob
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from tests.store_process import StoreProcess
+
 from .harness import ATTN_LAYERS, Engine, Setup
-from .store_process import StoreProcess
 from .test_hit_length import B, fresh_prompt
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from .harness import StoreService
+from tests.store_process import StoreProcess
+
 from .models import build_all
 
 
@@ -22,12 +23,12 @@ def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def start_store(work_dir: Path) -> Iterator[Callable[..., StoreService]]:
+def start_store(work_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
     """Starts kvtag-store processes for a module; all are killed at its end."""
-    started: list[StoreService] = []
+    started: list[StoreProcess] = []
 
-    def start(*args: str) -> StoreService:
-        service = StoreService(work_dir, *args)
+    def start(*args: str) -> StoreProcess:
+        service = StoreProcess(work_dir / f"store-{len(started)}.log", *args, process_group=True)
         started.append(service)
         return service.start()
 

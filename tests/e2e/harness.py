@@ -1,4 +1,4 @@
-"""Real processes for the end-to-end suite: a kvtag-store service and vLLM engines, each in its own process.
+"""Real vLLM engines for the end-to-end suite, each in its own process (the store: tests.store_process).
 
 Engines always run in a fresh interpreter (engine_runner.py): a "warm" run must not share any
 in-process state with the run that stored the blocks. Every process started here is killed, with
@@ -7,90 +7,26 @@ its whole process group, when its owner exits; every server binds 127.0.0.1.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-# The service lives in the service venv (it never imports vLLM); KVTAG_STORE_BIN overrides.
-STORE_BIN = Path(os.environ.get("KVTAG_STORE_BIN", str(REPO / ".venv" / "bin" / "kvtag-store")))
+from tests.store_process import StoreProcess, free_port, kill_group
+
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
-class StoreService:
-    """One `kvtag-store serve` process on a fixed loopback port (so a restart keeps the address)."""
+class StoreService(StoreProcess):
+    """For benchmarks/hit_rate_experiment.py only (this suite uses StoreProcess): a group-killed store."""
 
     def __init__(self, log_dir: Path, *extra_args: str) -> None:
-        self.port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.extra_args = extra_args
-        self.log_dir = log_dir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> StoreService:
-        self.starts += 1
-        log = (self.log_dir / f"store-{self.port}-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(STORE_BIN), "serve", "--listen", self.endpoint, "--metrics-listen", "", *self.extra_args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtag-store exited with {self.proc.returncode}; see {log.name}")
-            if self.healthy():
-                return self
-            time.sleep(0.2)
-        raise TimeoutError(f"kvtag-store on {self.endpoint} not healthy after 30 s")
-
-    def healthy(self) -> bool:
-        probe = subprocess.run(
-            [str(STORE_BIN), "health", "--target", self.endpoint, "--timeout", "1"],
-            capture_output=True,
-            check=False,
-        )
-        return probe.returncode == 0
-
-    def kill(self) -> None:
-        """SIGKILL: the abrupt failure a connector has to survive."""
-        if self.proc is not None:
-            _kill_group(self.proc)
-            self.proc = None
-
-    def diagnose(self) -> dict[str, Any]:
-        answer = subprocess.run(
-            [str(STORE_BIN), "diagnose", "--target", self.endpoint, "--json"],
-            capture_output=True,
-            check=True,
-            timeout=30,
-        )
-        result: dict[str, Any] = json.loads(answer.stdout)
-        return result
+        port = free_port()
+        super().__init__(log_dir / f"store-{port}.log", *extra_args, port=port, process_group=True)
 
 
 def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
@@ -167,7 +103,7 @@ class EngineRun:
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            kill_group(self.proc)
 
 
 def run_engine(job: dict[str, Any], work_dir: Path, name: str) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from .harness import EngineRun, StoreService, kv_transfer_config, prompt, run_engine
+from tests.store_process import StoreProcess
+
+from .harness import EngineRun, kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +44,7 @@ def _step(prompts: list[list[int]], barrier: Path | None = None) -> dict[str, An
 
 
 def test_store_killed_mid_workload_requests_complete_identically_and_hits_resume_after_restart(
-    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
+    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> None:
     store = start_store()
     killed, restarted, peer_done = (work_dir / name for name in ("killed", "restarted", "peer-done"))

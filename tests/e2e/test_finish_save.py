@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from .harness import StoreService, kv_transfer_config, prompt, run_engine
+from tests.store_process import StoreProcess
+
+from .harness import kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +28,7 @@ def _job(models: dict[str, Path], endpoint: str, prompts: list[list[int]], max_t
 
 
 def test_block_keyed_by_last_sampled_token_is_stored_at_finish_and_nothing_leaks(
-    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
+    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> None:
     store = start_store()
     aligned = prompt(21, 3 * BLOCK)

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from .harness import StoreService, kv_transfer_config, prompt, run_engine
+from tests.store_process import StoreProcess
+
+from .harness import kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +75,7 @@ def _job(mode: str, models: dict[str, Path], endpoint: str, seed: int, warm: boo
 
 @pytest.fixture(scope="module")
 def mode_runs(
-    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
+    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> Callable[[str], dict[str, Any]]:
     """Cold then warm engine per mode, run once per module and shared by the tests below."""
     cache: dict[str, dict[str, Any]] = {}

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from .harness import EngineRun, StoreService, kv_transfer_config, prompt, run_engine
+from tests.store_process import StoreProcess
+
+from .harness import EngineRun, kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def _mode_reports(diagnosis: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_isolate_lookahead_engines_share_blocks_and_legacy_engine_never_reads_them(
-    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
+    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> None:
     store = start_store("--policy", "isolate")
     # A stays alive (parked at a barrier) while B and C run, so C meets a live engine in another mode.
@@ -86,7 +88,7 @@ def test_isolate_lookahead_engines_share_blocks_and_legacy_engine_never_reads_th
 
 
 def test_strict_refuses_legacy_engine_which_runs_without_the_store_and_logs_the_diff(
-    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreService]
+    models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> None:
     store = start_store("--policy", "strict")
     a = _requests(run_engine(_job(models, store.endpoint, "auto", "engine-a"), work_dir, "strict-a"))
