@@ -14,8 +14,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,6 +85,14 @@ class StoreProcess:
                 raise TimeoutError(f"kvtag-store on {self.endpoint} not serving after {timeout_s} s")
             time.sleep(0.05)
         return self
+
+    def __enter__(self) -> StoreProcess:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
 
     def _log_since(self, offset: int) -> bytes:
         with self.log_path.open("rb") as log:
@@ -161,3 +170,23 @@ class StoreProcess:
         )
         result: dict[str, Any] = json.loads(answer.stdout)
         return result
+
+
+@contextlib.contextmanager
+def store_starter(
+    log_dir: Path, *, process_group: bool = False, on_exit: Callable[[StoreProcess], None] = StoreProcess.stop
+) -> Iterator[Callable[..., StoreProcess]]:
+    """Yields start(*serve_args, port=None) -> a started StoreProcess; on exit, on_exit(each one)."""
+    started: list[StoreProcess] = []
+
+    def start(*args: str, port: int | None = None) -> StoreProcess:
+        log_path = log_dir / f"store-{len(started)}.log"
+        store = StoreProcess(log_path, *args, port=port, process_group=process_group)
+        started.append(store)
+        return store.start()
+
+    try:
+        yield start
+    finally:
+        for store in started:
+            on_exit(store)

@@ -9,7 +9,7 @@ import pytest
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
 
-from tests.store_process import StoreProcess
+from tests.store_process import StoreProcess, store_starter
 
 from .store_harness import namespace
 
@@ -18,28 +18,16 @@ StoreFactory = Callable[..., StoreProcess]
 
 @pytest.fixture
 def start_store(tmp_path: Path) -> Iterator[StoreFactory]:
-    """start_store(*extra_serve_args, port=None, start=True) -> a StoreProcess, stopped at teardown."""
-    started: list[StoreProcess] = []
-
-    def factory(*args: str, port: int | None = None, start: bool = True) -> StoreProcess:
-        store = StoreProcess(tmp_path / f"store-{len(started)}.log", *args, port=port)
-        started.append(store)
-        if start:
-            store.start()
-        return store
-
-    yield factory
-    for store in started:
-        store.stop()
+    """start_store(*extra_serve_args, port=None) -> a started StoreProcess, stopped at teardown."""
+    with store_starter(tmp_path) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
 def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
     """One isolate-policy store for the tests that do not fault it."""
-    store = StoreProcess(tmp_path_factory.mktemp("store") / "store.log")
-    store.start()
-    yield store
-    store.stop()
+    with StoreProcess(tmp_path_factory.mktemp("store") / "store.log") as store:
+        yield store
 
 
 ClientFactory = Callable[..., StoreClient]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.store_process import StoreProcess
+from tests.store_process import StoreProcess, store_starter
 
 from .harness import Engine, Setup, llama_dir, qwen3_next_dir
 
@@ -16,26 +16,15 @@ from .harness import Engine, Setup, llama_dir, qwen3_next_dir
 @pytest.fixture(scope="session")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
     """One isolate-policy store shared by the tests that neither fault it nor need a policy."""
-    proc = StoreProcess(tmp_path_factory.mktemp("store") / "store.log")
-    proc.start()
-    yield proc
-    proc.stop()
+    with StoreProcess(tmp_path_factory.mktemp("store") / "store.log") as proc:
+        yield proc
 
 
 @pytest.fixture
 def start_store(tmp_path: Path) -> Iterator[Callable[..., StoreProcess]]:
-    """start_store(*serve_args) -> a private store for tests that fault it or set a policy."""
-    started: list[StoreProcess] = []
-
-    def factory(*args: str, port: int | None = None) -> StoreProcess:
-        proc = StoreProcess(tmp_path / f"store-{len(started)}.log", *args, port=port)
-        started.append(proc)
-        proc.start()
-        return proc
-
-    yield factory
-    for proc in started:
-        proc.stop()
+    """start_store(*serve_args, port=None) -> a private store for tests that fault it or set a policy."""
+    with store_starter(tmp_path) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.store_process import StoreProcess
+from tests.store_process import StoreProcess, store_starter
 
 from .models import build_all
 
@@ -24,14 +24,6 @@ def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def start_store(work_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
-    """Starts kvtag-store processes for a module; all are killed at its end."""
-    started: list[StoreProcess] = []
-
-    def start(*args: str) -> StoreProcess:
-        service = StoreProcess(work_dir / f"store-{len(started)}.log", *args, process_group=True)
-        started.append(service)
-        return service.start()
-
-    yield start
-    for service in started:
-        service.kill()
+    """Starts kvtag-store processes for a module; all are killed (SIGKILL, whole group) at its end."""
+    with store_starter(work_dir, process_group=True, on_exit=StoreProcess.kill) as start:
+        yield start
