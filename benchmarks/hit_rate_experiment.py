@@ -30,8 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.harness import StoreService, kv_transfer_config, run_engine  # noqa: E402
+from tests.e2e.harness import kv_transfer_config, run_engine  # noqa: E402
 from tests.e2e.models import build_all  # noqa: E402
+from tests.store_process import StoreProcess  # noqa: E402
 
 BLOCK = 32
 INSTRUCTION = (
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "modes": {},
     }
     for mode, (producer, consumer, policy) in MODES.items():
-        store = StoreService(work, "--policy", policy).start()
+        store = StoreProcess(work / "store.log", "--policy", policy, process_group=True).start()
         try:
             slug = "".join(ch if ch.isalnum() else "-" for ch in mode.lower())
             started = time.perf_counter()

@@ -15,18 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.store_process import StoreProcess, free_port, kill_group
+from tests.store_process import kill_group
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_TIMEOUT_S = 300.0
-
-
-class StoreService(StoreProcess):
-    """For benchmarks/hit_rate_experiment.py only (this suite uses StoreProcess): a group-killed store."""
-
-    def __init__(self, log_dir: Path, *extra_args: str) -> None:
-        port = free_port()
-        super().__init__(log_dir / f"store-{port}.log", *extra_args, port=port, process_group=True)
 
 
 def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
