@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from provenance import git_describe
+
 REPO = Path(__file__).resolve().parents[1]
 # The cluster and replica helpers of the Mooncake tests (top-level modules there).
 if str(REPO / "tests" / "mooncake") not in sys.path:
@@ -171,26 +173,6 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     return out
 
 
-def git_head() -> str:
-    """The commit measured, with "+dirty" when the service or proto sources differ from it."""
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "store_service", "proto"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_proto import ids
     from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeSettings, connect
@@ -267,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["machine"] = {
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "kvtag_commit": git_head(),
+        "kvtag_commit": git_describe(),
         "loadavg_per_repeat": loadavg,
     }
     results["repeats"] = repeats

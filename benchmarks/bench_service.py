@@ -51,6 +51,7 @@ from google.protobuf.internal import api_implementation
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
+from provenance import git_describe
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -695,27 +696,6 @@ def machine_info() -> dict[str, Any]:
         "loadavg_start": os.getloadavg(),
         "kvtag_commit": git_describe(),
     }
-
-
-def git_describe() -> str:
-    """The commit measured, with "+dirty" when the service or proto sources differ from it."""
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--", "store_service", "proto"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
