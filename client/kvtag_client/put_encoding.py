@@ -13,26 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtag_proto.varint import encode_varint
+
 # (group, key, value, base_key), in the order StoreClient.put takes them.
 PutItemFields = tuple[int, bytes, bytes, bytes]
 
-_ONE_BYTE = [bytes((n,)) for n in range(0x80)]
-
-
-def varint(value: int) -> bytes:
-    """Protobuf base-128 varint of a non-negative integer."""
-    if value < 0x80:
-        return _ONE_BYTE[value]
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
 
 def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    return tag + varint(len(payload)) + payload
+    return tag + encode_varint(len(payload)) + payload
 
 
 def encode_put_request(session_id: str, items: Sequence[PutItemFields]) -> bytes:
@@ -52,14 +40,14 @@ def encode_put_request(session_id: str, items: Sequence[PutItemFields]) -> bytes
         block = b"".join(
             (
                 _length_delimited(b"\x0a", key) if key else b"",
-                b"\x10" + varint(group) if group else b"",
+                b"\x10" + encode_varint(group) if group else b"",
                 _length_delimited(b"\x1a", base_key) if base_key else b"",
             )
         )
-        head = b"\x0a" + varint(len(block)) + block + b"\x12" + varint(len(value))
-        append(b"\x12" + varint(len(head) + len(value)) + head)
+        head = b"\x0a" + encode_varint(len(block)) + block + b"\x12" + encode_varint(len(value))
+        append(b"\x12" + encode_varint(len(head) + len(value)) + head)
         append(value)
     return b"".join(parts)
 
 
-__all__ = ["PutItemFields", "encode_put_request", "varint"]
+__all__ = ["PutItemFields", "encode_put_request"]

@@ -25,6 +25,7 @@ from operator import attrgetter
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.varint import encode_varint
 
 from kvtag_store.backends.base import BlockAddress, KeyStatus, ReadResult
 
@@ -47,15 +48,6 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _skip(data: bytes | memoryview, pos: int, wire_type: int) -> int:
@@ -290,9 +282,9 @@ def encode_get_results(results: list[ReadResult]) -> bytes:
             append(_BARE[result.status])
             continue
         inner_head = bytes([0x08, int(result.status)]) + (
-            b"\x12" + _encode_varint(len(value)) if value else b""
+            b"\x12" + encode_varint(len(value)) if value else b""
         )
-        append(b"\x0a" + _encode_varint(len(inner_head) + len(value)) + inner_head)
+        append(b"\x0a" + encode_varint(len(inner_head) + len(value)) + inner_head)
         append(value)
     return b"".join(parts)
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_client.put_encoding import PutItemFields, encode_put_request, varint
+from kvtag_client.put_encoding import PutItemFields, encode_put_request
+from kvtag_proto.varint import encode_varint
 from kvtag_store import wire
 
 _items = st.lists(
@@ -56,9 +57,9 @@ def test_value_lengths_at_varint_boundaries_match_generated(size: int) -> None:
 
 def test_varint_matches_protobuf_for_boundary_values() -> None:
     for value in (1, 127, 128, 255, 300, 16383, 16384, 2**31, 2**32 - 1):
-        assert pb.BlockRef(group=value).SerializeToString() == b"\x10" + varint(value)
-    assert varint(0) == b"\x00"
-    assert varint(2**63 - 1) == b"\xff" * 8 + b"\x7f"
+        assert pb.BlockRef(group=value).SerializeToString() == b"\x10" + encode_varint(value)
+    assert encode_varint(0) == b"\x00"
+    assert encode_varint(2**63 - 1) == b"\xff" * 8 + b"\x7f"
 
 
 def test_group_outside_uint32_is_refused() -> None:
