@@ -53,6 +53,10 @@ from kvtag.v1 import store_pb2_grpc
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from provenance import git_describe
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.descriptors import mode, namespace
+from tests.net import free_port
+
 KiB = 1024
 MiB = 1024 * KiB
 GB = 1e9
@@ -108,13 +112,6 @@ def serve_bytes(listen: str, workers: int, max_message_bytes: int) -> None:
 
 
 # ---- subprocess plumbing --------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -446,21 +443,8 @@ def check_put_encoding() -> None:
 def open_session_request() -> pb.OpenSessionRequest:
     return pb.OpenSessionRequest(
         engine_id=f"bench/{socket.gethostname()}/{os.getpid()}",
-        namespace=pb.NamespaceDescriptor(
-            model_name="kvtag-bench/model",
-            weights_fingerprint="bench-weights-0",
-            kv_dtype="bfloat16",
-            kv_layout="bench: 1 group, full attention",
-            block_size=16,
-            parallel_sharding="tp=1/rank=0,pp=1/rank=0",
-        ),
-        mode=pb.HashingMode(
-            key_scheme="canonical",
-            scheme_version="1",
-            hash_algorithm="sha256",
-            hash_block_size=16,
-            lookahead_tokens=0,
-        ),
+        namespace=namespace("kvtag-bench/model"),
+        mode=mode(lookahead=0),
         probe_keys=[
             hashlib.sha256(b"kvtag-bench probe 0").digest(),
             hashlib.sha256(b"kvtag-bench probe 1").digest(),

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -19,28 +18,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tests.net import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = b"serving"  # the lifecycle line `serve` logs once its port accepts calls
 
 
 def store_bin() -> str:
     return os.environ.get("KVTAG_STORE_BIN") or str(REPO / ".venv" / "bin" / "kvtag-store")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll `condition` until true; return the seconds it took, fail after timeout_s."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

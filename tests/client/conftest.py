@@ -9,9 +9,8 @@ import pytest
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
 
+from tests.descriptors import namespace
 from tests.store_process import StoreProcess, store_starter
-
-from .store_harness import namespace
 
 StoreFactory = Callable[..., StoreProcess]
 
@@ -49,7 +48,7 @@ def make_client() -> Iterator[ClientFactory]:
         client = StoreClient(
             endpoint,
             engine_id=f"engine-{len(clients)}",
-            namespace=namespace(tenant),
+            namespace=namespace(tenant=tenant),
             mode=keys.mode(16, lookahead_tokens),
             labels={"test": "client"},
             **options,  # type: ignore[arg-type]

@@ -8,9 +8,8 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
 from kvtag_client.store import _ITEM_OVERHEAD, StoreClient
 
-from tests.store_process import free_port
-
-from .store_harness import namespace
+from tests.descriptors import namespace
+from tests.net import free_port
 
 
 @settings(max_examples=200, deadline=None)

@@ -20,7 +20,8 @@ from kvtag_client import keys
 from kvtag_client.store import StoreState
 from kvtag_proto.ids import probe_tokens
 
-from tests.store_process import StoreProcess, free_port, wait_until
+from tests.net import free_port, wait_until
+from tests.store_process import StoreProcess
 
 from .conftest import ClientFactory, StoreFactory
 from .fault_proxy import FaultProxy
@@ -337,9 +338,10 @@ _PAUSABLE_CLIENT = """
 import json, sys
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
-from tests.client.store_harness import namespace
-client = StoreClient(sys.argv[1], engine_id="paused", namespace=namespace("ttl"), mode=keys.mode(16, 0),
-                     probe_keys=keys.probe_keys(16, 0), rpc_timeout_s=5.0, reconnect_interval_s=0.3)
+from tests.descriptors import namespace
+client = StoreClient(sys.argv[1], engine_id="paused", namespace=namespace(tenant="ttl"),
+                     mode=keys.mode(16, 0), probe_keys=keys.probe_keys(16, 0), rpc_timeout_s=5.0,
+                     reconnect_interval_s=0.3)
 assert client.open()
 print(client.session_id, flush=True)
 sys.stdin.readline()

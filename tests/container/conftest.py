@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.net import free_port
+
 from . import podman as pm
 
 
@@ -43,7 +45,7 @@ def _single_container(image: str) -> Iterator[pm.Deployment]:
 
 
 def _mooncake_stack(mooncake_image: str) -> Iterator[pm.Deployment]:
-    grpc_port, metrics_port = pm.free_port(), pm.free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     stack = pm.ComposeProject(
         "compose.mooncake.yaml",
         f"{pm.RUN_ID}-mooncake",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ID = os.environ.get("KVTAG_TEST_RUN_ID") or f"kvtagtest{os.getpid()}"
@@ -32,12 +33,6 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
     if check and result.returncode != 0:
         raise RuntimeError(f"podman {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def ensure_image(image: str, target: str) -> None:

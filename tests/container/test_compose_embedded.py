@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from kvtag.v1 import store_pb2 as pb
 
+from tests.net import free_port
+
 from . import kvtag_calls as kc
 from . import podman as pm
 
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.slow  # real podman containers
 
 @pytest.fixture(scope="module")
 def embedded_stack(image: str) -> Iterator[tuple[pm.ComposeProject, pm.Deployment]]:
-    grpc_port, metrics_port = pm.free_port(), pm.free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     stack = pm.ComposeProject(
         "compose.yaml",
         f"{pm.RUN_ID}-embedded",

@@ -1,4 +1,4 @@
-"""Builders for descriptors and a thin typed wrapper over the real stub, so tests read as specifications."""
+"""Request builders and a thin typed wrapper over the real stub, so tests read as specifications."""
 
 from __future__ import annotations
 
@@ -12,33 +12,7 @@ from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_store.backends.memory import MemoryBackend
 from kvtag_store.server import RunningServer
 
-
-def namespace(model: str = "llama-8b", tenant: str = "") -> pb.NamespaceDescriptor:
-    return pb.NamespaceDescriptor(
-        model_name=model,
-        weights_fingerprint="sha256:abc",
-        kv_dtype="bfloat16",
-        kv_layout="attn:1x65536",
-        block_size=16,
-        parallel_sharding="tp=1/rank=0",
-        tenant=tenant,
-    )
-
-
-def mode(
-    lookahead: int = 1, algorithm: str = "sha256", seed: str = "", scheme: str = "canonical"
-) -> pb.HashingMode:
-    return pb.HashingMode(
-        key_scheme=scheme,
-        scheme_version="1",
-        hash_algorithm=algorithm,
-        hash_block_size=16,
-        lookahead_tokens=lookahead,
-        seed_fingerprint=seed,
-    )
-
-
-PROBE = [b"probe-key-0", b"probe-key-1"]
+from tests.descriptors import PROBE, mode, namespace
 
 
 def refs(*keys: bytes, group: int = 0, base: Sequence[bytes] = ()) -> list[pb.BlockRef]:

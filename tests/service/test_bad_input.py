@@ -17,7 +17,7 @@ from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig, ServiceLimits
 from kvtag_store.server import RunningServer, start_server
 
-from .helpers import PROBE, mode, namespace
+from tests.descriptors import PROBE, mode, namespace
 
 MAX_KEY = 32
 MAX_BATCH = 8

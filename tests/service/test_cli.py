@@ -19,7 +19,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from .helpers import PROBE, mode, namespace
+from tests.descriptors import PROBE, mode, namespace
 
 KVTAG_STORE = str(Path(sys.executable).with_name("kvtag-store"))
 

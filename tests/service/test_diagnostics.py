@@ -16,8 +16,10 @@ from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.server import start_server
 
+from tests.descriptors import mode
+
 from .conftest import ServerFactory
-from .helpers import Store, mode
+from .helpers import Store
 
 LEGACY = mode(lookahead=0)
 

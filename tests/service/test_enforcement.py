@@ -6,8 +6,10 @@ import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
 
+from tests.descriptors import PROBE, mode, namespace
+
 from .conftest import ServerFactory
-from .helpers import PROBE, Store, error_of, mode, namespace
+from .helpers import Store, error_of
 
 VALUE = b"kv-bytes-of-block-k" * 10
 OTHER_MODE = mode(lookahead=0)

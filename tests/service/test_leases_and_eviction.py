@@ -6,8 +6,9 @@ import time
 
 from kvtag.v1 import store_pb2 as pb
 
+from tests.descriptors import namespace
+
 from .conftest import ServerFactory
-from .helpers import namespace
 
 BLOCK = 1000  # bytes per value; the stores below hold 4 of them
 
