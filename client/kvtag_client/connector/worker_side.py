@@ -47,10 +47,6 @@ class WorkerSide:
         group_layers = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
         self._views = layer_views(kv_caches, group_layers, int(self._kv_cache_config.num_blocks))
 
-    @property
-    def registered(self) -> bool:
-        return bool(self._views)
-
     # ---- per step ------------------------------------------------------------------------------
 
     def start(self, meta: KvtagConnectorMetadata) -> None:
