@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtag_client.extra_keys import extra_keys_from_request, lora_content_identity
+from kvtag_client.extra_keys import extra_keys_from_request
 from kvtag_client.keys import ExtraKeys, UnencodableExtraKeys, block_keys
 
 
@@ -90,23 +89,3 @@ def test_same_tokens_different_image_get_different_keys() -> None:
     keys_a, keys_b = block_keys(tokens, 16, 0, a), block_keys(tokens, 16, 0, b)
     assert keys_a[0] == keys_b[0]  # the image starts in block 1
     assert keys_a[1] != keys_b[1]
-
-
-def test_lora_content_identity_changes_when_adapter_bytes_change(tmp_path: Path) -> None:
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 8}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
-    request = RequestShape(lora_request=Lora("sql", lora_path=str(adapter)))
-    first = extra_keys_from_request(request, lora_identity=lora_content_identity)
-    assert first.lora_name is not None and first.lora_name.startswith("sql@sha256:")
-    assert extra_keys_from_request(request, lora_identity=lora_content_identity) == first
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x01" * 65)
-    second = extra_keys_from_request(request, lora_identity=lora_content_identity)
-    assert second.lora_name != first.lora_name
-
-
-def test_lora_content_identity_needs_a_local_adapter_directory(tmp_path: Path) -> None:
-    request = RequestShape(lora_request=Lora("sql", lora_path=str(tmp_path / "missing")))
-    with pytest.raises(UnencodableExtraKeys):
-        extra_keys_from_request(request, lora_identity=lora_content_identity)
