@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
 
 from kvtag.v1 import store_pb2 as pb
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -63,10 +61,6 @@ class StoreMetrics:
 
     def watch(self, stats: Callable[[], BackendStats], live_sessions: Callable[[], int]) -> None:
         self.registry.register(_StoreCollector(stats, live_sessions))
-
-    def serve(self, listen: str) -> tuple[WSGIServer, threading.Thread]:
-        host, _, port = listen.rpartition(":")
-        return start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1", registry=self.registry)
 
 
 class _StoreCollector(Collector):

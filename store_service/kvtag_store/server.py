@@ -23,11 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_store import wire
+from kvtag_store import status_http, wire
 from kvtag_store.backends.base import BlockBackend, CensusStore
+from kvtag_store.census_metrics import CensusCollector
 from kvtag_store.config import ServiceConfig
+from kvtag_store.history import DEFAULT_INTERVAL_S, HitRateHistory
 from kvtag_store.metrics import StoreMetrics
 from kvtag_store.service import KvStoreService
+from kvtag_store.status import StatusSource
 
 log = logging.getLogger("kvtag_store.server")
 
@@ -76,12 +79,15 @@ class RunningServer:
     metrics_address: str
     metrics_http: WSGIServer | None
     metrics_thread: threading.Thread | None
+    history: HitRateHistory | None = None
 
     def stop(self, grace: float = 5.0) -> None:
         """Stop accepting calls, let running ones finish within `grace`, then release everything."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         self.service.stop()
+        if self.history is not None:
+            self.history.stop()
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
@@ -96,8 +102,11 @@ def start_server(
     listen: str = "127.0.0.1:0",
     metrics_listen: str = "",
     workers: int = 16,
+    history_interval_s: float = DEFAULT_INTERVAL_S,
+    status_gate: status_http.Gate = status_http.open_gate,
 ) -> RunningServer:
-    """Bind, start and return the server; the caller owns stopping it."""
+    """Bind, start and return the server; the caller owns stopping it. The HTTP port (metrics_listen)
+    serves /metrics, the status page and its JSON (status_http); `status_gate` decides who sees what."""
     max_message = config.limits.max_message_bytes
     options = [
         ("grpc.max_receive_message_length", max_message),
@@ -124,13 +133,26 @@ def start_server(
     metrics_http: WSGIServer | None = None
     metrics_thread: threading.Thread | None = None
     metrics_address = ""
+    metrics.registry.register(CensusCollector(service.census.report))
+    history = HitRateHistory(service.census.report, interval_s=history_interval_s)
     if metrics_listen:
-        metrics_http, metrics_thread = metrics.serve(metrics_listen)
+        source = StatusSource(service.census.report, backend.stats, history)
+        app = status_http.status_app(source, metrics.registry, status_gate)
+        metrics_http, metrics_thread = status_http.serve(metrics_listen, app)
         metrics_address = f"{metrics_listen.rpartition(':')[0]}:{metrics_http.server_port}"
     service.start()
+    history.start()
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(
-        server, service, health_servicer, port, address, metrics_address, metrics_http, metrics_thread
+        server,
+        service,
+        health_servicer,
+        port,
+        address,
+        metrics_address,
+        metrics_http,
+        metrics_thread,
+        history,
     )
