@@ -22,7 +22,9 @@ from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.server import start_server
 
-from .helpers import Store, mode, namespace
+from tests.descriptors import mode, namespace
+
+from .helpers import Store
 
 SPLIT_NS = namespace(tenant="team-split")
 STRICT_NS = namespace(tenant="team-strict")
