@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -101,6 +102,72 @@ def test_killed_storage_process_gives_misses_never_wrong_bytes(
     # A new storage process makes the cluster writable again.
     own_cluster.start_storage(32 << 20)
     assert own_backend.put(ns, MODE, addr("k0"), b"new").outcome is PutOutcome.STORED
+
+
+class _CountingClient:
+    """The real Mooncake client, counting the whole-value reads a Get makes."""
+
+    def __init__(self, client: MooncakeClient) -> None:
+        self._client = client
+        self.reads: list[tuple[str, int]] = []
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        self.reads.append(("get_batch", len(keys)))
+        return self._client.get_batch(keys)
+
+    def get(self, key: str) -> bytes:
+        self.reads.append(("get", 1))
+        return self._client.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def test_get_of_many_blocks_on_a_killed_storage_process_waits_one_transfer_timeout_not_one_per_block(
+    own_cluster: MooncakeCluster,
+) -> None:
+    client = _CountingClient(connect(settings_for(own_cluster)))
+    backend = MooncakeBackend(cast(MooncakeClient, client), settings_for(own_cluster))
+    try:
+        ns = "ns-" + uuid.uuid4().hex[:16]
+        blocks = [addr(f"k{i}") for i in range(16)]
+        outcomes = backend.put_many(ns, MODE, [(a, bytes([i]) * 4096) for i, a in enumerate(blocks)])
+        assert {r.outcome for r in outcomes} == {PutOutcome.STORED}
+        own_cluster.kill_storage()
+        started = time.monotonic()
+        results = backend.get(ns, MODE, blocks)
+        elapsed = time.monotonic() - started
+        assert [(r.status, r.value) for r in results] == [(KeyStatus.MISS, None)] * 16
+        # The master still listed all 16 (its client TTL had not run out): each failed its transfer,
+        # and all of them together cost one read call, which waited out one transfer timeout.
+        assert backend.errors.snapshot().get("transfer") == 16
+        assert client.reads == [("get_batch", 16)]
+        assert elapsed < 3.0, f"a Get of 16 blocks on a dead storage process took {elapsed:.1f} s"
+        # The next Get does not wait again: the dead process is remembered and its blocks skipped.
+        client.reads.clear()
+        assert [r.status for r in backend.get(ns, MODE, blocks)] == [KeyStatus.MISS] * 16
+        assert client.reads == []
+    finally:
+        backend.close()
+
+
+def test_put_without_any_storage_segment_names_the_missing_segment(tmp_path: Path) -> None:
+    bare = MooncakeCluster(tmp_path)
+    bare.start_master()  # no storage node: the cluster has no capacity at all
+    backend = MooncakeBackend(connect(settings_for(bare)), settings_for(bare))
+    try:
+        ns = "ns-" + uuid.uuid4().hex[:16]
+        single = backend.put(ns, MODE, addr("a"), b"value")
+        batch = backend.put_many(ns, MODE, [(addr("b"), b"value"), (addr("c"), b"value")])
+        for result in [single, *batch]:
+            assert result.outcome is PutOutcome.REJECTED
+            assert "no Mooncake storage segment is mounted" in result.reason, result.reason
+            assert "full" not in result.reason
+        bare.start_storage(32 << 20)
+        assert backend.put(ns, MODE, addr("a"), b"value").outcome is PutOutcome.STORED
+    finally:
+        backend.close()
+        bare.stop()
 
 
 def _scrape(address: str) -> tuple[int, str]:

@@ -51,6 +51,13 @@ _HEADER_SLOTS = 1024
 _VERIFY_ATTEMPTS = 5
 _VERIFY_BACKOFF_S = 0.02
 _BREAKER_S = 1.0
+# A Get that met a dead storage process starts no new read past this; a read that failed after
+# at least _SLOW_FAILURE_S waited for Mooncake's transfer timeout (about 1 s) and is not retried.
+_GET_DEADLINE_S = 1.0
+_SLOW_FAILURE_S = 0.5
+# How long a storage process that failed a transfer is skipped by reads (the master's default
+# --client_ttl is 10 s); afterwards one read probes it again.
+_SUSPECT_S = 5.0
 
 
 class MooncakeClient(Protocol):
@@ -61,6 +68,7 @@ class MooncakeClient(Protocol):
     def put(self, key: str, value: Any, config: Any = ...) -> int: ...
     def get(self, key: str) -> bytes: ...
     def get_batch(self, keys: list[str]) -> list[bytes]: ...
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
     def batch_remove(self, keys: list[str], force: bool = ...) -> list[int]: ...
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
@@ -219,6 +227,8 @@ class MooncakeBackend:
         self._settings = settings
         self._headers = _HeaderReader(client)
         self._leases = _LeaseKeeper(client, settings.lease_ttl_ms)
+        self._suspects = _SuspectProcesses()
+        self._capacity_seen: tuple[float, int | None] = (float("-inf"), None)
         self.errors = ErrorCounters()
         self._corrupted = 0
         self._count_lock = threading.Lock()
@@ -280,7 +290,7 @@ class MooncakeBackend:
                 raise self._unavailable("storing a block", rc)
             if rc not in _PUT_ACCEPTED:
                 self.errors.add(rc)
-                return PutResult(PutOutcome.REJECTED, _put_failure(rc))
+                return PutResult(PutOutcome.REJECTED, self._put_failure(rc))
             result = self._verify_put(namespace_id, mode_id, address, mkey, nonce)
             if result is not None:
                 return result
@@ -401,8 +411,39 @@ class MooncakeBackend:
                 raise self._unavailable("confirming a store", found)
             else:
                 results[index] = PutResult(
-                    PutOutcome.REJECTED, _put_failure(rc if rc not in _PUT_ACCEPTED else found)
+                    PutOutcome.REJECTED, self._put_failure(rc if rc not in _PUT_ACCEPTED else found)
                 )
+
+    def _put_failure(self, code: int) -> str:
+        if code == MooncakeCode.NO_AVAILABLE_HANDLE:
+            if self._mounted_bytes() == 0:
+                return (
+                    "no Mooncake storage segment is mounted (NO_AVAILABLE_HANDLE -200, cluster capacity "
+                    "0 bytes); start a storage node (mooncake_client --global_segment_size=...) or give "
+                    "a kvtag replica --mooncake-segment-size"
+                )
+            return (
+                "Mooncake cluster full (NO_AVAILABLE_HANDLE -200): eviction has not freed room yet or "
+                "everything is leased; retry later or add storage segments"
+            )
+        if code == MooncakeCode.TRANSFER_FAIL:
+            return "transfer to the Mooncake storage process failed (TRANSFER_FAIL -800); not stored"
+        if code == MooncakeCode.BUFFER_OVERFLOW:
+            return "the Mooncake local buffer is busy (-600); retry or raise --mooncake-local-buffer"
+        return f"Mooncake refused the put: {describe(code)}"
+
+    def _mounted_bytes(self) -> int | None:
+        """The cluster's mounted capacity from the master's metrics (None if they cannot be read),
+        read at most once a second: a batch of refused puts asks once."""
+        at, capacity = self._capacity_seen
+        if time.monotonic() - at > 1.0:
+            try:
+                metrics = read_master_metrics(self._settings.metrics)
+                capacity = int(metrics.get("master_total_capacity_bytes", -1))
+            except BackendUnavailable:
+                capacity = None
+            self._capacity_seen = (time.monotonic(), capacity)
+        return capacity
 
     # -- reads --------------------------------------------------------------
 
@@ -464,30 +505,69 @@ class MooncakeBackend:
         return results
 
     def _fetch(self, mkeys: list[str]) -> list[bytes]:
-        """Whole values of the keys that exist (b"" for the rest).
+        """Whole values of the keys that exist (b"" for the rest), within one deadline per Get.
 
         get_batch returns b"" alike for a missing key, an unreachable storage
         process and a failed master (after seconds of retries), so an existence
         check comes first: it fails fast when the master is down, spares the
         transfer for misses, and a key that exists but reads empty is a transfer
-        failure. Keys a batch could not stage (local buffer full) are read alone.
+        failure. The replica list then gives each value's size and storage
+        process: reads go in chunks that fit the local buffer, and values held
+        only by a process that failed a transfer moments ago are not read.
+        A dead process makes a call wait out Mooncake's ~1 s transfer timeout
+        whatever the number of keys, so one Get costs at most about one timeout:
+        a slow failure is never retried, and once one happened no new chunk
+        starts past _GET_DEADLINE_S. A fast failure (the buffer busy with
+        concurrent calls) is retried once.
         """
         exists = self._client.batch_is_exist(mkeys)
         if any(code == _RPC_FAIL or code == -1 for code in exists):
             self.errors.add(_RPC_FAIL)
             raise self._unavailable("reading blocks", _RPC_FAIL)
-        present = [i for i, code in enumerate(exists) if code == 1]
         values = [b""] * len(mkeys)
+        present = [i for i, code in enumerate(exists) if code == 1]
         if not present:
             return values
-        for i, value in zip(present, self._client.get_batch([mkeys[i] for i in present]), strict=True):
-            if not value:
-                value = self._client.get(mkeys[i])
-                if not value:
-                    # Listed by the master, unreadable from its storage process (killed or cut off).
-                    self.errors.add(MooncakeCode.TRANSFER_FAIL)
-            values[i] = value
+        placements = self._client.batch_get_replica_desc([mkeys[i] for i in present])
+        suspects = self._suspects.current()
+        readable: list[tuple[int, int, frozenset[str]]] = []
+        failed = 0
+        for i in present:
+            size, where = _placement(placements.get(mkeys[i], ()))
+            if where and where <= suspects:
+                failed += 1  # on a storage process that just failed: a miss without the wait
+            elif size:
+                readable.append((i, size, where))
+        started = time.monotonic()
+        for chunk in _chunks(readable, self._settings.local_buffer_bytes // 4):
+            if failed and time.monotonic() - started > _GET_DEADLINE_S:
+                failed += len(chunk)
+                continue
+            missing, slow = self._read_chunk(mkeys, chunk, values)
+            if missing and not slow:
+                missing, slow = self._read_chunk(mkeys, missing, values)
+            if missing and slow:
+                self._suspects.mark(frozenset().union(*(where for _, _, where in missing)))
+            failed += len(missing)
+        if failed:
+            # Listed by the master, unreadable from its storage process (killed or cut off).
+            self.errors.add(MooncakeCode.TRANSFER_FAIL, failed)
         return values
+
+    def _read_chunk(
+        self, mkeys: list[str], chunk: list[tuple[int, int, frozenset[str]]], values: list[bytes]
+    ) -> tuple[list[tuple[int, int, frozenset[str]]], bool]:
+        """Read one chunk into values: the entries that came back empty, and whether that took a
+        transfer timeout (a dead process) rather than failing at once (a busy buffer)."""
+        started = time.monotonic()
+        got = self._client.get_batch([mkeys[entry[0]] for entry in chunk])
+        missing = []
+        for entry, value in zip(chunk, got, strict=True):
+            if value:
+                values[entry[0]] = value
+            else:
+                missing.append(entry)
+        return missing, time.monotonic() - started >= _SLOW_FAILURE_S
 
     # -- leases -------------------------------------------------------------
 
@@ -523,17 +603,58 @@ class MooncakeBackend:
         self._client.close()
 
 
-def _put_failure(code: int) -> str:
-    if code == MooncakeCode.NO_AVAILABLE_HANDLE:
-        return (
-            "Mooncake cluster full (NO_AVAILABLE_HANDLE -200): eviction has not freed room yet or "
-            "everything is leased; retry later or add storage segments"
-        )
-    if code == MooncakeCode.TRANSFER_FAIL:
-        return "transfer to the Mooncake storage process failed (TRANSFER_FAIL -800); not stored"
-    if code == MooncakeCode.BUFFER_OVERFLOW:
-        return "the Mooncake local buffer is busy (-600); retry or raise --mooncake-local-buffer"
-    return f"Mooncake refused the put: {describe(code)}"
+class _SuspectProcesses:
+    """Storage processes (transport endpoints) whose transfers just failed, remembered for a while:
+    until the master's client TTL drops a dead one it still lists its objects, and reading each of
+    them would wait out the transfer timeout again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: dict[str, float] = {}
+
+    def mark(self, endpoints: frozenset[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for endpoint in endpoints:
+                self._since[endpoint] = now
+
+    def current(self) -> frozenset[str]:
+        now = time.monotonic()
+        with self._lock:
+            for endpoint, since in list(self._since.items()):
+                if now - since > _SUSPECT_S:
+                    del self._since[endpoint]
+            return frozenset(self._since)
+
+
+def _placement(replicas: Any) -> tuple[int, frozenset[str]]:
+    """(value size, storage endpoints) from Mooncake's replica descriptors; (0, {}) if none."""
+    size = 0
+    endpoints = set()
+    for replica in replicas:
+        if replica.is_memory_replica():
+            buffer = replica.get_memory_descriptor().buffer_descriptor
+            size = max(size, int(buffer.size))
+            endpoints.add(str(buffer.transport_endpoint))
+        else:
+            size = max(size, int(replica.get_disk_descriptor().object_size))
+    return size, frozenset(endpoints)
+
+
+def _chunks(
+    entries: list[tuple[int, int, frozenset[str]]], budget: int
+) -> list[list[tuple[int, int, frozenset[str]]]]:
+    """Consecutive runs of (index, size, endpoints) whose sizes fit the budget together (a larger
+    value goes alone: Mooncake's put refused it already unless the buffer grew since)."""
+    chunks: list[list[tuple[int, int, frozenset[str]]]] = []
+    used = budget
+    for entry in entries:
+        if used + entry[1] > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(entry)
+        used += entry[1]
+    return chunks
 
 
 def read_master_metrics(address: str, timeout_s: float = 2.0) -> dict[str, float]:
