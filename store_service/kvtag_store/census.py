@@ -262,6 +262,11 @@ class Census:
                         mode_report.cross_mode_misses.add(held_by_mode_id=held_by, count=count)
         return response
 
+    def tenants(self) -> dict[str, str]:
+        """namespace_id -> tenant of every namespace this replica has admitted a session of."""
+        with self._lock:
+            return {ns_id: state.descriptor.tenant for ns_id, state in self._namespaces.items()}
+
     def live_sessions(self) -> int:
         with self._lock:
             return sum(len(m.live) for s in self._namespaces.values() for m in s.modes.values())

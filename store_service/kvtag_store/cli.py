@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from kvtag_store import logs, report
+from kvtag_store import logs, report, security_options
 from kvtag_store.backends import mooncake_options
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the store service")
     add_serve_arguments(serve)
+    security_options.add_arguments(serve)
     mooncake_options.add_arguments(serve)
     for name, help_text in (
         ("diagnose", "print the census and mismatch report of a running store"),
@@ -79,10 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return query(args)
 
 
-def _build_backend(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
+def _build_backend(
+    args: argparse.Namespace, security: security_options.Security
+) -> tuple[BlockBackend, CensusStore]:
     if args.backend == "mooncake":
+        if security.tenant_quotas:
+            raise ValueError("--tenant-quota applies to the memory backend only (docs/security.md)")
         return mooncake_options.build(args)
-    return MemoryBackend(parse_size(str(args.capacity))), MemoryCensus()
+    return MemoryBackend(parse_size(str(args.capacity)), security.tenant_quotas), MemoryCensus()
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -93,6 +98,11 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (argparse.ArgumentTypeError, ValueError) as exc:
         parser.error(str(exc))
     logs.configure(args.log_format, args.log_level)
+    try:
+        security = security_options.build(args)
+    except argparse.ArgumentTypeError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     # A full store holds millions of GC-tracked objects (entries, address tuples); the default
     # gen0 threshold of 700 makes every 4,096-key request trigger several collections.
     gc.set_threshold(50_000, 20, 20)
@@ -102,10 +112,15 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         lifecycle.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
         stop.set()
 
+    def on_reload(_signum: int, _frame: FrameType | None) -> None:
+        ok = security.reload()
+        lifecycle.info("reloaded on SIGHUP" if ok else "SIGHUP reload kept some old files (see errors)")
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_reload)
     try:
-        backend, census_store = _build_backend(args)
+        backend, census_store = _build_backend(args, security)
         running = start_server(
             backend,
             census_store,
@@ -113,6 +128,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             listen=args.listen,
             metrics_listen=args.metrics_listen,
             workers=workers,
+            security=security,
         )
     except Exception as exc:  # a bind failure or an unreachable backend: say so and exit non-zero
         log.error("cannot start: %s", exc)
@@ -127,6 +143,8 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "capacity_bytes": stats.capacity_bytes,
             "policy": policy_name(config.default_policy),
             "metrics": running.metrics_address or "disabled",
+            "tls": "off" if security.tls is None else ("mutual" if security.tls.mutual else "on"),
+            "tokens": len(security.tokens) if security.tokens.enabled else "off",
             "pid": os.getpid(),
         },
     )

@@ -147,3 +147,34 @@ def backend_unavailable(detail: str) -> ApiError:
         pb.BACKEND_UNAVAILABLE,
         f"the storage backend cannot be reached ({detail}); retry with backoff",
     )
+
+
+def unauthenticated() -> ApiError:
+    # Says nothing about why the token failed (absent, malformed, unknown, revoked): a prober learns nothing.
+    return _error(
+        grpc.StatusCode.UNAUTHENTICATED,
+        pb.UNAUTHENTICATED,
+        "this store requires a token: send `authorization: Bearer <token>` with a token from its "
+        "tokens file (connector: `token_file` or KVTAG_TOKEN; CLI: --token-file)",
+    )
+
+
+def tenant_not_granted(principal: str, tenant: str) -> ApiError:
+    # Names only what the caller itself sent (its tenant) and its own token's name.
+    return _error(
+        grpc.StatusCode.PERMISSION_DENIED,
+        pb.TENANT_NOT_GRANTED,
+        f"token {principal!r} does not grant tenant {tenant!r}; use a token of that tenant or ask the "
+        "store operator to add the tenant to this token's entry",
+        metadata={"principal": principal, "tenant": tenant},
+    )
+
+
+def role_not_allowed(principal: str, role: str, rpc: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.PERMISSION_DENIED,
+        pb.ROLE_NOT_ALLOWED,
+        f"token {principal!r} has role {role!r}, which may not call {rpc} (engine: sessions and data; "
+        "viewer: Diagnose and GetStats; admin: both)",
+        metadata={"principal": principal, "role": role, "rpc": rpc},
+    )

@@ -24,11 +24,13 @@ from grpc_reflection.v1alpha import reflection
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import status_http, wire
+from kvtag_store.access import Access, AuthInterceptor
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.census_metrics import CensusCollector
 from kvtag_store.config import ServiceConfig
 from kvtag_store.history import DEFAULT_INTERVAL_S, HitRateHistory
 from kvtag_store.metrics import StoreMetrics
+from kvtag_store.security_options import Security
 from kvtag_store.service import KvStoreService
 from kvtag_store.status import StatusSource
 
@@ -103,21 +105,42 @@ def start_server(
     metrics_listen: str = "",
     workers: int = 16,
     history_interval_s: float = DEFAULT_INTERVAL_S,
-    status_gate: status_http.Gate = status_http.open_gate,
+    status_gate: status_http.Gate | None = None,
+    security: Security | None = None,
 ) -> RunningServer:
     """Bind, start and return the server; the caller owns stopping it. The HTTP port (metrics_listen)
-    serves /metrics, the status page and its JSON (status_http); `status_gate` decides who sees what."""
+    serves /metrics, the status page and its JSON (status_http); `status_gate` decides who sees what
+    there (default: the tokens of `security`, or open without them). `security` adds TLS, tokens and
+    tenant quotas (none by default: plaintext and open, for loopback use)."""
+    security = security or Security()
+    if status_gate is None:
+        status_gate = (
+            status_http.token_gate(security.tokens.authenticate)
+            if security.tokens.enabled
+            else status_http.open_gate
+        )
     max_message = config.limits.max_message_bytes
     options = [
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtag-rpc"), options=options
-    )
     metrics = StoreMetrics()
-    service = KvStoreService(backend, census_store, config, metrics)
+    interceptors = (
+        [
+            AuthInterceptor(
+                security.tokens, lambda rpc: metrics.rpc_errors.labels(rpc, "UNAUTHENTICATED").inc()
+            )
+        ]
+        if security.tokens.enabled
+        else []
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtag-rpc"),
+        options=options,
+        interceptors=interceptors,
+    )
+    service = KvStoreService(backend, census_store, config, metrics, Access(security.tokens))
     server.add_generic_rpc_handlers((kvstore_handlers(service),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -125,7 +148,10 @@ def start_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(listen)
+    if security.tls is not None:
+        port = server.add_secure_port(listen, security.tls.credentials())
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     host = listen.rpartition(":")[0]

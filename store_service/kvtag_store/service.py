@@ -15,7 +15,9 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from kvtag_store import errors, validation, wire
+from kvtag_store import errors, tenant_stats, validation, wire
+from kvtag_store.access import Access
+from kvtag_store.auth import Principal, TokenRegistry
 from kvtag_store.backends.base import (
     BackendUnavailable,
     BlockAddress,
@@ -79,9 +81,15 @@ def rpc(method: Callable[..., R]) -> Callable[..., R]:
 
 class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def __init__(
-        self, backend: BlockBackend, census_store: CensusStore, config: ServiceConfig, metrics: StoreMetrics
+        self,
+        backend: BlockBackend,
+        census_store: CensusStore,
+        config: ServiceConfig,
+        metrics: StoreMetrics,
+        access: Access | None = None,
     ) -> None:
         self.backend = backend
+        self.access = access or Access(TokenRegistry.disabled())
         self.config = config
         self.limits = config.limits
         self.metrics = metrics
@@ -127,8 +135,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         for namespace_id, addresses in unpins:
             self.backend.unpin(namespace_id, addresses)
 
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.touch(validation.session_id(session_id))
+    def _session(self, session_id: str, context: grpc.ServicerContext, rpc: str) -> Session:
+        """The caller's live session. One of a tenant the caller's token does not grant is answered as
+        unknown, so a session id used under another token gets nothing, not even its existence."""
+        principal = self.access.session_caller(context, rpc)
+        session = self.sessions.touch(validation.session_id(session_id), _tenant_check(principal))
         if session is None:
             raise errors.session_not_found(session_id)
         return session
@@ -149,6 +160,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionResponse:
+        principal = self.access.opener(context, request.namespace.tenant)
         validation.open_session(request, self.limits)
         try:
             admission = self.census.admit(request)
@@ -159,15 +171,20 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             raise
         if any(w.kind == "PROBE_DISAGREEMENT" for w in admission.warnings):
             self.metrics.probe_disagreements.inc()
+        tenant = request.namespace.tenant
         session = self.sessions.open(
-            request.engine_id, admission.namespace_id, admission.mode_id, dict(request.labels)
+            request.engine_id, admission.namespace_id, admission.mode_id, dict(request.labels), tenant
         )
+        assign_tenant = getattr(self.backend, "assign_tenant", None)
+        if assign_tenant is not None:
+            assign_tenant(admission.namespace_id, tenant)
         self.census.joined(session, request.mode)
         log.info(
             "session opened",
             extra={
                 "session_id": session.session_id,
                 "engine_id": request.engine_id,
+                "principal": principal.name,
                 "namespace_id": admission.namespace_id,
                 "mode_id": admission.mode_id,
                 "warnings": [w.kind for w in admission.warnings],
@@ -186,14 +203,17 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        self._session(request.session_id)
+        self._session(request.session_id, context, "Heartbeat")
         return pb.HeartbeatResponse(session_ttl_ms=self.config.session_ttl_ms)
 
     @rpc
     def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
     ) -> pb.CloseSessionResponse:
-        session, unpins = self.sessions.close(validation.session_id(request.session_id))
+        principal = self.access.session_caller(context, "CloseSession")
+        session, unpins = self.sessions.close(
+            validation.session_id(request.session_id), _tenant_check(principal)
+        )
         self._unpin(unpins)
         if session is not None:
             self.census.left(session)
@@ -210,7 +230,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     ) -> pb.LookupResponse:
         if isinstance(request, pb.LookupRequest):
             request = wire.lookup_from_message(request)
-        session = self._session(request.session_id)
+        session = self._session(request.session_id, context, "Lookup")
         addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
         ns_id, mode_id = session.namespace_id, session.mode_id
         statuses, pinned = self._lookup_and_pin(ns_id, mode_id, addresses)
@@ -324,7 +344,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def Put(self, request: wire.PutBatch | pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         if isinstance(request, pb.PutRequest):
             request = wire.put_from_message(request)
-        session = self._session(request.session_id)
+        session = self._session(request.session_id, context, "Put")
         self._check_put_keys(request.items)
         response = pb.PutResponse()
         results: list[pb.PutResult] = []
@@ -341,7 +361,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         for message in request_iterator:
             request = wire.put_from_message(message) if isinstance(message, pb.PutRequest) else message
             if session is None:
-                session = self._session(request.session_id)
+                session = self._session(request.session_id, context, "PutStream")
             elif request.session_id and request.session_id != session.session_id:
                 raise errors.invalid_request(
                     "a PutStream carries one session; later messages must omit session_id or repeat it",
@@ -359,8 +379,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         response.results.extend(results)
         return response
 
-    def _read(self, request: pb.GetRequest) -> tuple[Session, list[BlockAddress], list[Any]]:
-        session = self._session(request.session_id)
+    def _read(
+        self, request: pb.GetRequest, context: grpc.ServicerContext, rpc: str
+    ) -> tuple[Session, list[BlockAddress], list[Any]]:
+        session = self._session(request.session_id, context, rpc)
         addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         results = self.backend.get(session.namespace_id, session.mode_id, addresses)
         if request.lease_id:
@@ -375,7 +397,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     @rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
         """Returns the encoded GetResponse (wire.encode_get_results): values are copied once."""
-        _, _, results = self._read(request)
+        _, _, results = self._read(request, context, "Get")
         self.metrics.get_bytes.inc(sum(len(r.value) for r in results if r.value is not None))
         return wire.encode_get_results(results)
 
@@ -383,7 +405,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         """Yields encoded GetResponse messages of at most ~4 MiB each, results in request order."""
         started = time.perf_counter()
         try:
-            _, _, results = self._read(request)
+            _, _, results = self._read(request, context, "GetStream")
         except errors.ApiError as exc:
             self.metrics.rpc_errors.labels("GetStream", exc.reason).inc()
             context.abort_with_status(exc.status)
@@ -415,7 +437,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def ReleaseLeases(
         self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeasesResponse:
-        session = self._session(request.session_id)
+        session = self._session(request.session_id, context, "ReleaseLeases")
         validation.batch_size("lease_ids", len(request.lease_ids), self.limits)
         self._unpin(self.sessions.release(session, list(request.lease_ids)))
         return pb.ReleaseLeasesResponse()
@@ -424,24 +446,24 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc
     def Diagnose(self, request: pb.DiagnoseRequest, context: grpc.ServicerContext) -> pb.DiagnoseResponse:
-        return self.census.report(request.namespace_id)
+        principal = self.access.viewer(context, "Diagnose")
+        report = self.census.report(request.namespace_id)
+        if principal.sees_everything:
+            return report
+        # Only the caller's tenants: another tenant's namespace is absent exactly as an unknown one is.
+        return pb.DiagnoseResponse(
+            namespaces=[ns for ns in report.namespaces if principal.may_use(ns.namespace.tenant)]
+        )
 
     @rpc
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
-        stats = self.backend.stats()
-        return pb.GetStatsResponse(
-            backend=stats.backend,
-            capacity_bytes=stats.capacity_bytes,
-            used_bytes=stats.used_bytes,
-            keys=stats.keys,
-            evictions=stats.evictions,
-            leased_keys=stats.leased_keys,
-            corrupted_dropped=stats.corrupted_dropped,
-            namespaces=[
-                pb.NamespaceStats(namespace_id=ns_id, keys=keys, used_bytes=used)
-                for ns_id, (keys, used) in sorted(stats.per_namespace.items())
-            ],
-        )
+        principal = self.access.viewer(context, "GetStats")
+        return tenant_stats.stats_response(self.backend.stats(), self.census.tenants(), principal)
+
+
+def _tenant_check(principal: Principal) -> Callable[[str], bool] | None:
+    """The tenant test for a session lookup; None (no test) for a caller who may use every tenant."""
+    return None if principal.sees_everything else principal.may_use
 
 
 def _prefix_length(statuses: list[KeyStatus], misses: int, mismatches: int) -> int:

@@ -31,6 +31,8 @@ class Session:
     last_seen_unix_ms: int
     deadline: float  # time.monotonic()
     leases: set[str] = field(default_factory=set)
+    # The namespace's tenant: every call naming the session is checked against the caller's token.
+    tenant: str = ""
 
 
 @dataclass
@@ -57,7 +59,9 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, Lease] = {}
 
-    def open(self, engine_id: str, namespace_id: str, mode_id: str, labels: dict[str, str]) -> Session:
+    def open(
+        self, engine_id: str, namespace_id: str, mode_id: str, labels: dict[str, str], tenant: str = ""
+    ) -> Session:
         wall = now_ms()
         session = Session(
             session_id="s-" + secrets.token_hex(12),
@@ -68,27 +72,34 @@ class SessionTable:
             opened_unix_ms=wall,
             last_seen_unix_ms=wall,
             deadline=self._clock() + self._ttl,
+            tenant=tenant,
         )
         with self._lock:
             self._sessions[session.session_id] = session
         return session
 
-    def touch(self, session_id: str) -> Session | None:
-        """The live session, its deadline pushed out; None when unknown or expired."""
+    def touch(self, session_id: str, may_use: Callable[[str], bool] | None = None) -> Session | None:
+        """The live session, its deadline pushed out; None when unknown, expired, or of a tenant
+        `may_use` refuses (that case is indistinguishable from the others, and touches nothing)."""
         now = self._clock()
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None or session.deadline <= now:
                 return None
+            if may_use is not None and not may_use(session.tenant):
+                return None
             session.deadline = now + self._ttl
             session.last_seen_unix_ms = now_ms()
             return session
 
-    def close(self, session_id: str) -> tuple[Session | None, list[Unpin]]:
+    def close(
+        self, session_id: str, may_use: Callable[[str], bool] | None = None
+    ) -> tuple[Session | None, list[Unpin]]:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
+            session = self._sessions.get(session_id)
+            if session is None or (may_use is not None and not may_use(session.tenant)):
                 return None, []
+            del self._sessions[session_id]
             return session, self._drop_leases(session.leases)
 
     def add_lease(

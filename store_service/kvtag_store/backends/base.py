@@ -50,6 +50,16 @@ class ReadResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One tenant's share of a backend that keeps per-tenant quotas (the memory backend)."""
+
+    keys: int
+    used_bytes: int
+    quota_bytes: int  # 0: the tenant shares the pool the quotas leave
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
 class BackendStats:
     backend: str
     capacity_bytes: int
@@ -62,6 +72,10 @@ class BackendStats:
     per_namespace: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Backend errors met by this replica, by kind (Mooncake: full, transfer, master_rpc, ...).
     errors: dict[str, int] = field(default_factory=dict)
+    # tenant -> usage, from backends that know tenants (see MemoryBackend.assign_tenant); else empty.
+    per_tenant: dict[str, TenantUsage] = field(default_factory=dict)
+    # Bytes shared by the tenants without a quota (capacity minus the quotas).
+    shared_pool_bytes: int = 0
 
 
 class BackendUnavailable(Exception):

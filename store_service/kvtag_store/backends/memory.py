@@ -3,13 +3,18 @@
 What counts as used bytes: the length of each stored value, exactly. Keys,
 tags, checksums and index overhead are not counted (they are small and
 bounded by the key count).
+
+Tenant quotas (--tenant-quota) split the capacity into pools: each tenant with
+a quota gets a pool of that size, and the tenants without one share the rest.
+Eviction is LRU within a pool, so a tenant over its quota evicts only its own
+blocks, and no tenant can ever evict another pool's blocks.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter
 
@@ -23,6 +28,7 @@ from kvtag_store.backends.base import (
     PutOutcome,
     PutResult,
     ReadResult,
+    TenantUsage,
 )
 
 _HIT = KeyStatus.HIT
@@ -61,12 +67,45 @@ _VALUE = attrgetter("value")
 _CHECKSUM = attrgetter("checksum")
 
 
+class _Pool:
+    """Bytes shared by some namespaces (one quota tenant's, or all the others') and their LRU order."""
+
+    __slots__ = ("capacity", "lru", "tenant", "used")
+
+    def __init__(self, capacity: int, tenant: str | None) -> None:
+        self.capacity = capacity
+        self.tenant = tenant  # None: the shared pool
+        self.used = 0
+        # Every block of the pool, least recently used first (pinned ones too: eviction skips them).
+        self.lru: OrderedDict[_StoreKey, None] = OrderedDict()
+
+    def too_large(self, size: int) -> str:
+        if self.tenant is None:
+            return (
+                f"value of {size} bytes exceeds the store capacity of {self.capacity} bytes; "
+                "raise --capacity or store smaller blocks"
+            )
+        return (
+            f"value of {size} bytes exceeds tenant {self.tenant!r}'s quota of {self.capacity} bytes; "
+            "raise its --tenant-quota or store smaller blocks"
+        )
+
+    def full_of_leases(self, leased: int) -> str:
+        where, knob = ("store", "--capacity") if self.tenant is None else ("tenant quota", "--tenant-quota")
+        return (
+            f"{where} full of leased blocks: {leased} of {self.capacity} bytes are leased; "
+            f"release leases (Get with lease_id, ReleaseLeases) or raise {knob}"
+        )
+
+
 class _Namespace:
     """The blocks of one namespace, indexed by address and, for reads, by (mode, address)."""
 
-    __slots__ = ("by_mode", "entries", "pins", "used_bytes")
+    __slots__ = ("by_mode", "entries", "pins", "pool", "tenant", "used_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, pool: _Pool, tenant: str | None) -> None:
+        self.pool = pool
+        self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
         self.entries: dict[BlockAddress, _Entry] = {}
         # mode_id -> address -> entry: a read in mode M is one C-level dict lookup per key.
         self.by_mode: dict[str, dict[BlockAddress, _Entry]] = {}
@@ -86,21 +125,54 @@ class MemoryBackend:
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, tenant_quotas: Mapping[str, int] | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
+        quotas = dict(tenant_quotas or {})
+        if sum(quotas.values()) > capacity_bytes:
+            raise ValueError(
+                f"tenant quotas add up to {sum(quotas.values())} bytes, more than the capacity of "
+                f"{capacity_bytes}; lower them or raise --capacity"
+            )
         self._capacity = capacity_bytes
         self._lock = threading.Lock()
         self._namespaces: dict[str, _Namespace] = {}
-        # Every block, least recently used first (pinned ones too: eviction skips them).
-        self._lru: OrderedDict[_StoreKey, None] = OrderedDict()
-        self._used = 0
-        self._evictions = 0
+        self._shared = _Pool(capacity_bytes - sum(quotas.values()), None)
+        self._tenant_pools = {tenant: _Pool(quota, tenant) for tenant, quota in quotas.items()}
+        self._pools = [self._shared, *self._tenant_pools.values()]
+        self._evictions: Counter[str | None] = Counter()  # by tenant (None: not yet known)
         self._corrupted = 0
 
     @property
     def max_value_bytes(self) -> int:
         return self._capacity
+
+    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+        """Record the namespace's tenant (the service calls this at OpenSession, before any put), so its
+        blocks live in that tenant's pool. Blocks stored before the call move there."""
+        pool = self._tenant_pools.get(tenant, self._shared)
+        with self._lock:
+            ns = self._namespaces.get(namespace_id)
+            if ns is None:
+                self._namespaces[namespace_id] = _Namespace(pool, tenant)
+                return
+            ns.tenant = tenant
+            if ns.pool is pool:
+                return
+            old = ns.pool
+            for address, entry in ns.entries.items():
+                del old.lru[(namespace_id, address)]
+                pool.lru[(namespace_id, address)] = None
+                old.used -= len(entry.value)
+                pool.used += len(entry.value)
+            ns.pool = pool
+
+    def _namespace(self, namespace_id: str) -> _Namespace:
+        """The namespace; created in the shared pool if no session named its tenant. Caller holds the lock."""
+        ns = self._namespaces.get(namespace_id)
+        if ns is None:
+            ns = self._namespaces[namespace_id] = _Namespace(self._shared, None)
+        return ns
 
     # -- writes -------------------------------------------------------------
 
@@ -117,9 +189,7 @@ class MemoryBackend:
         results: list[PutResult] = []
         for start in range(0, len(items), _PUT_CHUNK):
             with self._lock:
-                ns = self._namespaces.get(namespace_id)
-                if ns is None:
-                    ns = self._namespaces[namespace_id] = _Namespace()
+                ns = self._namespace(namespace_id)
                 results.extend(
                     self._put_locked(namespace_id, ns, mode_id, address, value, digest)
                     for (address, value), digest in zip(
@@ -139,57 +209,52 @@ class MemoryBackend:
     ) -> PutResult:
         """One item of put_many. Caller holds the lock."""
         size = len(value)
-        if size > self._capacity:
-            return PutResult(
-                PutOutcome.REJECTED,
-                f"value of {size} bytes exceeds the store capacity of {self._capacity} bytes; "
-                "raise --capacity or store smaller blocks",
-            )
+        pool = ns.pool
+        if size > pool.capacity:
+            return PutResult(PutOutcome.REJECTED, pool.too_large(size))
         existing = ns.entries.get(address)
         if existing is not None:
             if existing.mode_id != mode_id:
                 return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
-            self._lru.move_to_end((namespace_id, address))
+            pool.lru.move_to_end((namespace_id, address))
             return _ALREADY_PRESENT
-        if self._used + size > self._capacity and not self._make_room(size):
-            return PutResult(
-                PutOutcome.REJECTED,
-                f"store full of leased blocks: {self._pinned_bytes()} of {self._capacity} bytes are "
-                "leased; release leases (Get with lease_id, ReleaseLeases) or raise --capacity",
-            )
+        if pool.used + size > pool.capacity and not self._make_room(pool, size):
+            return PutResult(PutOutcome.REJECTED, pool.full_of_leases(self._pinned_bytes(pool)))
         entry = _Entry(mode_id, value, digest)
         ns.entries[address] = entry
         mode_entries = ns.by_mode.get(mode_id)
         if mode_entries is None:
             mode_entries = ns.by_mode[mode_id] = {}
         mode_entries[address] = entry
-        self._lru[(namespace_id, address)] = None
+        pool.lru[(namespace_id, address)] = None
         ns.used_bytes += size
-        self._used += size
+        pool.used += size
         return _STORED
 
-    def _pinned_bytes(self) -> int:
-        """Bytes held by leases. Caller holds the lock. O(pinned keys): only needed when the store is full."""
+    def _pinned_bytes(self, pool: _Pool) -> int:
+        """Bytes of the pool held by leases. Caller holds the lock. O(pinned keys): only when it is full."""
         total = 0
         for ns in self._namespaces.values():
+            if ns.pool is not pool:
+                continue
             for address in ns.pins:
                 entry = ns.entries.get(address)
                 if entry is not None:
                     total += len(entry.value)
         return total
 
-    def _make_room(self, size: int) -> bool:
-        """Evict least recently used unpinned blocks until `size` more bytes fit; False (and evict
-        nothing) when the leased blocks leave too little room. Caller holds the lock.
+    def _make_room(self, pool: _Pool, size: int) -> bool:
+        """Evict the pool's least recently used unpinned blocks until `size` more bytes fit; False (and
+        evict nothing) when the leased blocks leave too little room. Caller holds the lock.
 
         Leased blocks met on the way move to the recent end (a second chance), so later scans do
         not walk past them again; they are in use, which is what recency means."""
-        need = self._used + size - self._capacity
+        need = pool.used + size - pool.capacity
         victims: list[_StoreKey] = []
         leased: list[_StoreKey] = []
         freed = 0
         namespaces = self._namespaces
-        for store_key in self._lru:
+        for store_key in pool.lru:
             ns_id, address = store_key
             ns = namespaces[ns_id]
             if address in ns.pins:
@@ -199,22 +264,22 @@ class MemoryBackend:
             freed += len(ns.entries[address].value)
             if freed >= need:
                 break
-        deque(map(self._lru.move_to_end, leased), maxlen=0)
+        deque(map(pool.lru.move_to_end, leased), maxlen=0)
         if freed < need:
             return False
         for ns_id, address in victims:
             ns = self._namespaces[ns_id]
             self._remove(ns_id, ns, address, ns.entries[address])
-            self._evictions += 1
+            self._evictions[ns.tenant] += 1
         return True
 
     def _remove(self, namespace_id: str, ns: _Namespace, address: BlockAddress, entry: _Entry) -> None:
         del ns.entries[address]
         del ns.by_mode[entry.mode_id][address]
-        del self._lru[(namespace_id, address)]
+        del ns.pool.lru[(namespace_id, address)]
         size = len(entry.value)
         ns.used_bytes -= size
-        self._used -= size
+        ns.pool.used -= size
 
     # -- reads --------------------------------------------------------------
 
@@ -241,7 +306,7 @@ class MemoryBackend:
             hits = (
                 addresses if all_hit else [a for e, a in zip(found, addresses, strict=True) if e is not None]
             )
-            deque(map(self._lru.move_to_end, zip(repeat(namespace_id), hits)), maxlen=0)
+            deque(map(ns.pool.lru.move_to_end, zip(repeat(namespace_id), hits)), maxlen=0)
         return statuses, found
 
     def _verify(
@@ -331,12 +396,19 @@ class MemoryBackend:
 
     def stats(self) -> BackendStats:
         with self._lock:
+            keys: Counter[str] = Counter()
+            used: Counter[str] = Counter()
+            for ns in self._namespaces.values():
+                if ns.tenant is not None:
+                    keys[ns.tenant] += len(ns.entries)
+                    used[ns.tenant] += ns.used_bytes
+            tenants = set(keys) | set(self._tenant_pools) | {t for t in self._evictions if t is not None}
             return BackendStats(
                 backend=self.name,
                 capacity_bytes=self._capacity,
-                used_bytes=self._used,
-                keys=len(self._lru),
-                evictions=self._evictions,
+                used_bytes=sum(pool.used for pool in self._pools),
+                keys=sum(len(pool.lru) for pool in self._pools),
+                evictions=sum(self._evictions.values()),
                 leased_keys=sum(
                     1 for ns in self._namespaces.values() for address in ns.pins if address in ns.entries
                 ),
@@ -346,13 +418,24 @@ class MemoryBackend:
                     for ns_id, ns in self._namespaces.items()
                     if ns.entries
                 },
+                per_tenant={
+                    tenant: TenantUsage(
+                        keys=keys[tenant],
+                        used_bytes=used[tenant],
+                        quota_bytes=pool.capacity if (pool := self._tenant_pools.get(tenant)) else 0,
+                        evictions=self._evictions[tenant],
+                    )
+                    for tenant in tenants
+                },
+                shared_pool_bytes=self._shared.capacity,
             )
 
     def close(self) -> None:
         with self._lock:
             self._namespaces.clear()
-            self._lru.clear()
-            self._used = 0
+            for pool in self._pools:
+                pool.lru.clear()
+                pool.used = 0
 
 
 class MemoryCensus:

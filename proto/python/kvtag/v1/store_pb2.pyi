@@ -20,6 +20,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INVALID_PROBE: _ClassVar[ErrorReason]
     BACKEND_UNAVAILABLE: _ClassVar[ErrorReason]
     INVALID_REQUEST: _ClassVar[ErrorReason]
+    UNAUTHENTICATED: _ClassVar[ErrorReason]
+    TENANT_NOT_GRANTED: _ClassVar[ErrorReason]
+    ROLE_NOT_ALLOWED: _ClassVar[ErrorReason]
 
 class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -58,6 +61,9 @@ PROBE_DISAGREEMENT: ErrorReason
 INVALID_PROBE: ErrorReason
 BACKEND_UNAVAILABLE: ErrorReason
 INVALID_REQUEST: ErrorReason
+UNAUTHENTICATED: ErrorReason
+TENANT_NOT_GRANTED: ErrorReason
+ROLE_NOT_ALLOWED: ErrorReason
 POLICY_UNSPECIFIED: Policy
 POLICY_ISOLATE: Policy
 POLICY_STRICT: Policy
@@ -457,17 +463,33 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "keys", "used_bytes")
+    __slots__ = ("namespace_id", "keys", "used_bytes", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     keys: int
     used_bytes: int
-    def __init__(self, namespace_id: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "keys", "used_bytes", "quota_bytes", "evictions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    keys: int
+    used_bytes: int
+    quota_bytes: int
+    evictions: int
+    def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces")
+    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +498,7 @@ class GetStatsResponse(_message.Message):
     LEASED_KEYS_FIELD_NUMBER: _ClassVar[int]
     CORRUPTED_DROPPED_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     capacity_bytes: int
     used_bytes: int
@@ -484,4 +507,5 @@ class GetStatsResponse(_message.Message):
     leased_keys: int
     corrupted_dropped: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
-    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...

@@ -29,6 +29,12 @@ class KvStoreStub:
     """The store. All RPCs except Diagnose, GetStats and OpenSession take a
     session_id and fail with NOT_FOUND / SESSION_NOT_FOUND when it is unknown
     or expired.
+
+    With --auth-tokens every call carries `authorization: Bearer <token>`
+    (UNAUTHENTICATED otherwise). A session belongs to its tenant: a call that
+    names a session of a tenant its token does not grant fails exactly as if
+    the session did not exist (SESSION_NOT_FOUND). The health service stays
+    open. See docs/security.md.
     """
 
     def __init__(self, channel):
@@ -98,6 +104,12 @@ class KvStoreServicer:
     """The store. All RPCs except Diagnose, GetStats and OpenSession take a
     session_id and fail with NOT_FOUND / SESSION_NOT_FOUND when it is unknown
     or expired.
+
+    With --auth-tokens every call carries `authorization: Bearer <token>`
+    (UNAUTHENTICATED otherwise). A session belongs to its tenant: a call that
+    names a session of a tenant its token does not grant fails exactly as if
+    the session did not exist (SESSION_NOT_FOUND). The health service stays
+    open. See docs/security.md.
     """
 
     def OpenSession(self, request, context):
@@ -251,6 +263,12 @@ class KvStore:
     """The store. All RPCs except Diagnose, GetStats and OpenSession take a
     session_id and fail with NOT_FOUND / SESSION_NOT_FOUND when it is unknown
     or expired.
+
+    With --auth-tokens every call carries `authorization: Bearer <token>`
+    (UNAUTHENTICATED otherwise). A session belongs to its tenant: a call that
+    names a session of a tenant its token does not grant fails exactly as if
+    the session did not exist (SESSION_NOT_FOUND). The health service stays
+    open. See docs/security.md.
     """
 
     @staticmethod
