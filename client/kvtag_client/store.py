@@ -21,6 +21,7 @@ from typing import TypeVar
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_proto.channels import ChannelSecurity, open_channel
 from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
@@ -58,6 +59,9 @@ _OUTAGE_CODES = frozenset(
     }
 )
 _REFUSAL_REASONS = frozenset({"MODE_REFUSED", "PROBE_DISAGREEMENT", "INVALID_DESCRIPTOR", "INVALID_PROBE"})
+# The store refused the token (absent, wrong, revoked) or its grant: an outage like any other (logged
+# once, retried in the background, so a rotated token file is picked up), but said plainly.
+_AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 class StoreState(enum.Enum):
@@ -127,11 +131,14 @@ class StoreClient:
         reconnect_interval_s: float = 2.0,
         block_bytes_hint: int = 0,
         min_transfer_bytes_per_s: float = 20e6,
+        security: ChannelSecurity | None = None,
     ) -> None:
         """Builds the channel and starts the heartbeat thread; does not contact the store (see open()).
 
         block_bytes_hint (bytes per stored value, if known) and min_transfer_bytes_per_s
         stretch the deadline of large puts and gets: rpc_timeout_s + bytes / rate.
+        security: TLS files and the token file (default: plaintext, token from $KVTAG_TOKEN if set);
+        a file that cannot be read raises kvtag_proto.channels.ChannelConfigError here.
         """
         self.endpoint = endpoint
         self.engine_id = engine_id
@@ -164,8 +171,9 @@ class StoreClient:
         self._closed = threading.Event()
         self._wake = threading.Event()
         backoff_ms = max(100, int(reconnect_interval_s * 1000))
-        self._channel = grpc.insecure_channel(
+        self._channel = open_channel(
             endpoint,
+            security,
             options=[
                 ("grpc.max_send_message_length", -1),
                 ("grpc.max_receive_message_length", -1),
@@ -264,7 +272,7 @@ class StoreClient:
     def _on_open_error(self, err: grpc.RpcError) -> None:
         detail = parse_error(err)
         code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
-        if detail is not None and detail.reason in _REFUSAL_REASONS:
+        if detail is not None and detail.reason in _REFUSAL_REASONS and code not in _AUTH_CODES:
             with self._lock:
                 self.state = StoreState.REFUSED
                 self.session_id = ""
@@ -330,6 +338,17 @@ class StoreClient:
             if detail is not None and detail.reason:
                 what += "/" + detail.reason
             message = err.details() if isinstance(err, grpc.Call) else str(err)
+            if code in _AUTH_CODES:
+                log.error(
+                    "kvtag store %s refused engine %r (%s): %s. Running WITHOUT the store: lookups miss and "
+                    "saves are dropped; retrying every %.1f s in case the token or its grant is fixed",
+                    self.endpoint,
+                    self.engine_id,
+                    what,
+                    message,
+                    self.reconnect_interval_s,
+                )
+                return
             log.warning(
                 "kvtag store %s is not answering (%s: %s); lookups report misses and saves are dropped "
                 "until it returns (retrying every %.1f s)",
@@ -445,7 +464,7 @@ class StoreClient:
         code = self._code(err)
         with self._lock:
             self.counters.degraded_calls += 1
-        if code in _OUTAGE_CODES:
+        if code in _OUTAGE_CODES or code in _AUTH_CODES:
             self._mark_outage(code, err)
         else:
             # A request the store rejected as malformed: a client bug, not an outage.

@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_channel
 
 from kvtag_store import logs, report, security_options
 from kvtag_store.backends import mooncake_options
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"store address HOST:PORT [env {env_name('--target')}, default {DEFAULT_TARGET}]",
         )
         sub.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+        add_client_security_arguments(sub)
         if name == "diagnose":
             sub.add_argument("--namespace", default="", help="only this namespace_id")
         if name != "health":
@@ -75,9 +77,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(parser, args)
-    if args.command == "health":
-        return health_check(args.target, args.timeout)
-    return query(args)
+    try:
+        security = client_security(args)
+        if args.command == "health":
+            return health_check(args.target, args.timeout, security)
+        return query(args, security)
+    except ChannelConfigError as exc:
+        print(f"kvtag-store {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """How diagnose, stats and health reach a store that has TLS and tokens (docs/security.md)."""
+    for name, help_text in (
+        ("--tls-ca", "PEM CA bundle that signed the store's certificate; enables TLS"),
+        ("--tls-cert", "PEM client certificate, for a store that requires mutual TLS"),
+        ("--tls-key", "private key of --tls-cert"),
+        ("--token-file", "file holding the bearer token (else $KVTAG_TOKEN)"),
+    ):
+        parser.add_argument(name, default=env_default(name, ""), help=f"{help_text} [env {env_name(name)}]")
+
+
+def client_security(args: argparse.Namespace) -> ChannelSecurity:
+    return ChannelSecurity(
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token_file=args.token_file
+    )
 
 
 def _build_backend(
@@ -155,8 +179,8 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def health_check(target: str, timeout: float) -> int:
-    with grpc.insecure_channel(target) as channel:
+def health_check(target: str, timeout: float, security: ChannelSecurity | None = None) -> int:
+    with open_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -168,8 +192,8 @@ def health_check(target: str, timeout: float) -> int:
     return 0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def query(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+def query(args: argparse.Namespace, security: ChannelSecurity) -> int:
+    with open_channel(args.target, security) as channel:
         stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
         try:
             if args.command == "diagnose":

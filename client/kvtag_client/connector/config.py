@@ -30,6 +30,11 @@ class KvtagConfig:
     max_pending_save_bytes: int = 256 * 1024 * 1024
     save_batch_blocks: int = 64
     recompute_on_load_failure: bool = True
+    # Security (docs/security.md): TLS files, and a file holding the bearer token ($KVTAG_TOKEN if unset).
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    token_file: str = ""
 
 
 _FIELDS: dict[str, type] = {
@@ -47,6 +52,10 @@ _FIELDS: dict[str, type] = {
     "max_pending_save_bytes": int,
     "save_batch_blocks": int,
     "recompute_on_load_failure": bool,
+    "tls_ca": str,
+    "tls_cert": str,
+    "tls_key": str,
+    "token_file": str,
 }
 
 
@@ -96,4 +105,9 @@ def parse(extra: Mapping[str, Any] | None) -> KvtagConfig:
         raise ConnectorConfigError("kv_connector_extra_config['rpc_timeout_ms'] must be > 0")
     if not config.endpoint:
         raise ConnectorConfigError("kv_connector_extra_config['endpoint'] must be host:port, got ''")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConnectorConfigError(
+            "kv_connector_extra_config['tls_cert'] and ['tls_key'] go together (a client certificate "
+            "and its key, for a store that requires mutual TLS)"
+        )
     return config

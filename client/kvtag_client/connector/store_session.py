@@ -7,7 +7,7 @@ from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 
-from .config import KvtagConfig
+from .config import ConnectorConfigError, KvtagConfig
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -21,24 +21,35 @@ def open_client(
     probe_keys: list[bytes],
     labels: dict[str, str],
 ) -> Any:
-    """A StoreClient for this role. It never raises on an unreachable store: calls degrade to misses."""
+    """A StoreClient for this role. It never raises on an unreachable store or a refused token: calls
+    degrade to misses. A TLS or token file that cannot be read is a configuration error."""
+    from kvtag_proto.channels import ChannelConfigError, ChannelSecurity
+
     from kvtag_client.store import StoreClient
 
-    client = StoreClient(
-        config.endpoint,
-        engine_id=engine_id,
-        namespace=namespace,
-        mode=mode,
-        probe_keys=probe_keys,
-        labels=labels,
-        rpc_timeout_s=config.rpc_timeout_ms / 1000.0,
-        reconnect_interval_s=config.reconnect_interval_ms / 1000.0,
+    security = ChannelSecurity(
+        tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key, token_file=config.token_file
     )
+    try:
+        client = StoreClient(
+            config.endpoint,
+            engine_id=engine_id,
+            namespace=namespace,
+            mode=mode,
+            probe_keys=probe_keys,
+            labels=labels,
+            rpc_timeout_s=config.rpc_timeout_ms / 1000.0,
+            reconnect_interval_s=config.reconnect_interval_ms / 1000.0,
+            security=security,
+        )
+    except ChannelConfigError as exc:
+        raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
     client.open()
     logger.info(
-        "kvtag %s: endpoint %s, state %s, mode lookahead=%d scheme=%s",
+        "kvtag %s: endpoint %s (%s), state %s, mode lookahead=%d scheme=%s",
         engine_id,
         config.endpoint,
+        "TLS" if security.tls else "plaintext",
         getattr(client.state, "name", client.state),
         mode.lookahead_tokens,
         mode.key_scheme,
