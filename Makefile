@@ -60,6 +60,7 @@ proto-check: $(STAMPS)/dev
 	scripts/check_proto.sh
 
 test-service: $(STAMPS)/dev
+	scripts/install_openssl.sh
 	$(VENV)/bin/pytest -q tests/service
 
 test-client: $(STAMPS)/dev

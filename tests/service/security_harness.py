@@ -14,7 +14,7 @@ from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_store.auth import hash_token, new_token
 
-from .helpers import PROBE, mode, namespace
+from tests.descriptors import PROBE, mode, namespace
 
 # (name, role, tenants)
 Grant = tuple[str, str, Sequence[str]]
