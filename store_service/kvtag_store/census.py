@@ -277,7 +277,7 @@ class _ProbeDrift(errors.ApiError):
 
     def __init__(self, message: str, record: pb.ProbeDisagreement) -> None:
         error = errors.probe_disagreement(message, record)
-        super().__init__(error.status, error.reason, message)
+        super().__init__(error.code, error.reason, message, error.details)
         self.warning = pb.CensusWarning(
             kind="PROBE_DISAGREEMENT", message=message, other_mode_id=record.mode_id
         )

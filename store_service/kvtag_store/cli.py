@@ -25,6 +25,7 @@ from kvtag_store.backends import mooncake_options
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import (
+    SERVE,
     add_serve_arguments,
     env_default,
     env_name,
@@ -39,7 +40,12 @@ log = logging.getLogger("kvtag_store")
 lifecycle = logging.getLogger("kvtag_store.lifecycle")
 lifecycle.setLevel(logging.INFO)
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TARGET = SERVE.listen
+# Running calls get this long after SIGTERM/SIGINT (docs/operations.md).
+GRACE_S = 5.0
+# Past grace + this, the process exits whatever is still running (a gRPC call or thread that never
+# finishes must not keep a stopped server alive).
+HARD_EXIT_SLACK_S = 2.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,11 +86,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         security = client_security(args)
         if args.command == "health":
-            return health_check(args.target, args.timeout, security)
-        return query(args, security)
+            code = health_check(args.target, args.timeout, security)
+        else:
+            code = query(args, security)
+        sys.stdout.flush()
     except ChannelConfigError as exc:
         print(f"kvtag-store {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`kvtag-store diagnose | head`): what it read was all it wanted.
+        # Point stdout at /dev/null so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
 
 
 def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +148,10 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         lifecycle.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
+        if not stop.is_set():
+            deadline = threading.Timer(GRACE_S + HARD_EXIT_SLACK_S, _exit_now)
+            deadline.daemon = True
+            deadline.start()
         stop.set()
 
     def on_reload(_signum: int, _frame: FrameType | None) -> None:
@@ -174,9 +192,20 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )
     while not stop.wait(1.0):
         pass
-    running.stop(grace=5.0)
-    lifecycle.info("stopped cleanly")
+    if running.stop(grace=GRACE_S):
+        lifecycle.info("stopped cleanly")
+        return 0
+    _exit_now()
     return 0
+
+
+def _exit_now() -> None:
+    """Exit 0 without waiting for threads still inside gRPC calls (their clients see the
+    connection close). The shutdown's hard deadline, and the end of a stop that timed out."""
+    lifecycle.warning("exiting with calls still running after the %.0f s grace", GRACE_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def health_check(target: str, timeout: float, security: ChannelSecurity | None = None) -> int:

@@ -1,4 +1,9 @@
-"""Service settings: the `serve` flags, their KVTAG_* environment variables, sizes like 4GiB."""
+"""Service settings: the `serve` flags, their KVTAG_* environment variables, sizes like 4GiB.
+
+One rule for every flag of the service and its backends: the command-line flag, then its
+KVTAG_* environment variable (env_name), then (Mooncake only) the --mooncake-config file,
+then the default. Defaults are written once, in the dataclasses below; sizes are read by
+parse_size only."""
 
 from __future__ import annotations
 
@@ -15,17 +20,30 @@ ENV_PREFIX = "KVTAG_"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
+class SizeError(ValueError, argparse.ArgumentTypeError):
+    """A malformed size: a ValueError for library callers, an ArgumentTypeError for argparse."""
+
+
 def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "4GiB", "512MiB", "64KiB" or "2GB" (decimal)."""
+    """Bytes from "1073741824", "4GiB", "512MiB", "64KiB" (binary, IEC) or "2GB", "64MB" (decimal, SI);
+    K, M, G and T, with or without the B."""
     match = _SIZE.match(text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1073741824)")
+        raise SizeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 64MB = 64,000,000 bytes, 1073741824)")
     number, unit = int(match.group(1)), (match.group(2) or "").upper().rstrip("B")
     if not unit:
         return number
     power = "KMGT".index(unit[0]) + 1
     base = 1024 if unit.endswith("I") else 1000
     return number * int(base**power)
+
+
+def format_size(size: int) -> str:
+    """The shortest exact binary spelling: 67108864 -> "64MiB"."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return str(size)
 
 
 def parse_policy(text: str) -> int:
@@ -63,7 +81,7 @@ def env_default(flag: str, default: str) -> str:
 class ServiceLimits:
     max_key_bytes: int = 256
     max_batch_items: int = 65536
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -78,9 +96,23 @@ class ServiceConfig:
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     # Bound on the base-key index used to count cross-mode misses.
     base_index_entries: int = 200_000
+    # Admission limit: request and reply bytes (and parsed items) held at once, server-wide.
+    max_inflight_bytes: int = 256 << 20
 
-    def policy_for(self, namespace_id: str) -> int:
-        return self.namespace_policies.get(namespace_id, self.default_policy)
+
+@dataclass(frozen=True)
+class ServeDefaults:
+    """Defaults of the serve flags that are not ServiceConfig fields."""
+
+    listen: str = "127.0.0.1:50051"
+    capacity_bytes: int = 1 << 30
+    metrics_listen: str = "127.0.0.1:9464"
+    workers: int = 16
+
+
+CONFIG = ServiceConfig()
+LIMITS = ServiceLimits()
+SERVE = ServeDefaults()
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,19 +127,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             **kwargs,  # type: ignore[arg-type]
         )
 
-    flag("--listen", "127.0.0.1:50051", "gRPC listen address HOST:PORT (port 0 picks a free one)")
-    flag("--capacity", "1GiB", "bytes of values the memory backend holds, e.g. 4GiB, 512MiB")
-    flag("--policy", "isolate", "default namespace policy: isolate or strict")
-    flag("--metrics-listen", "127.0.0.1:9464", "Prometheus metrics HOST:PORT; empty disables")
+    flag("--listen", SERVE.listen, "gRPC listen address HOST:PORT (port 0 picks a free one)")
+    flag(
+        "--capacity",
+        format_size(SERVE.capacity_bytes),
+        "bytes of values the memory backend holds, e.g. 4GiB, 512MiB",
+    )
+    flag("--policy", policy_name(CONFIG.default_policy), "default namespace policy: isolate or strict")
+    flag("--metrics-listen", SERVE.metrics_listen, "Prometheus metrics HOST:PORT; empty disables")
     flag("--backend", "memory", "storage backend: memory or mooncake", choices=["memory", "mooncake"])
-    flag("--session-ttl-ms", "30000", "a session expires this long after its last call")
-    flag("--lease-ms", "30000", "default read lease for Lookup hits")
-    flag("--max-lease-ms", "600000", "longest lease a client may ask for")
-    flag("--max-key-bytes", "256", "longest accepted key")
-    flag("--max-batch-items", "65536", "most items in one Lookup/Put/Get request")
-    flag("--max-message-bytes", "64MiB", "largest gRPC message sent or received")
-    flag("--workers", "16", "gRPC worker threads")
-    flag("--base-index-entries", "200000", "bound of the base-key index behind cross-mode miss counts")
+    flag("--session-ttl-ms", str(CONFIG.session_ttl_ms), "a session expires this long after its last call")
+    flag("--lease-ms", str(CONFIG.default_lease_ms), "default read lease for Lookup hits")
+    flag("--max-lease-ms", str(CONFIG.max_lease_ms), "longest lease a client may ask for")
+    flag("--max-key-bytes", str(LIMITS.max_key_bytes), "longest accepted key")
+    flag("--max-batch-items", str(LIMITS.max_batch_items), "most items in one Lookup/Put/Get request")
+    flag(
+        "--max-message-bytes",
+        format_size(LIMITS.max_message_bytes),
+        "largest gRPC message sent or received",
+    )
+    flag(
+        "--max-inflight-bytes",
+        format_size(CONFIG.max_inflight_bytes),
+        "admission limit: request and reply bytes handled at once, server-wide (at least "
+        "--max-message-bytes); beyond it calls get RESOURCE_EXHAUSTED / SERVER_BUSY",
+    )
+    flag("--workers", str(SERVE.workers), "gRPC worker threads")
+    flag(
+        "--base-index-entries",
+        str(CONFIG.base_index_entries),
+        "bound of the base-key index behind cross-mode miss counts",
+    )
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")
@@ -128,6 +178,13 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         for item in os.environ.get(env_name("--namespace-policy"), "").split(",")
         if item.strip()
     ]
+    max_message_bytes = parse_size(str(args.max_message_bytes))
+    max_inflight_bytes = parse_size(str(args.max_inflight_bytes))
+    if max_inflight_bytes < max_message_bytes:
+        raise argparse.ArgumentTypeError(
+            f"--max-inflight-bytes ({max_inflight_bytes}) must be at least --max-message-bytes "
+            f"({max_message_bytes}), or the largest message could never be admitted"
+        )
     return ServiceConfig(
         default_policy=parse_policy(args.policy),
         namespace_policies=dict(overrides),
@@ -137,9 +194,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         limits=ServiceLimits(
             max_key_bytes=_positive("--max-key-bytes", args.max_key_bytes),
             max_batch_items=_positive("--max-batch-items", args.max_batch_items),
-            max_message_bytes=parse_size(str(args.max_message_bytes)),
+            max_message_bytes=max_message_bytes,
         ),
         base_index_entries=_positive("--base-index-entries", args.base_index_entries),
+        max_inflight_bytes=max_inflight_bytes,
     )
 
 

@@ -6,6 +6,7 @@ The table of codes and reasons is docs/errors.md; every constructor here is one 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
@@ -15,11 +16,20 @@ from kvtag_proto.errors import build_status
 class ApiError(Exception):
     """A failure the caller can act on: canonical code, ErrorReason name, message and details."""
 
-    def __init__(self, status: grpc.Status, reason: str, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str, details: dict[str, Any]) -> None:
         super().__init__(message)
-        self.status = status
+        self.code = code
         self.reason = reason
         self.message = message
+        self.details = details
+
+    @property
+    def status(self) -> grpc.Status:
+        return build_status(self.code, self.reason, self.message, **self.details)
+
+    def with_put_results(self, results: pb.PutResponse) -> grpc.Status:
+        """The status of a PutStream that failed part way, carrying the results handled before."""
+        return build_status(self.code, self.reason, self.message, **self.details, put_results=results)
 
 
 def _error(
@@ -31,18 +41,16 @@ def _error(
     metadata: dict[str, str] | None = None,
     mode_refusal: pb.ModeRefusal | None = None,
     probe_disagreement: pb.ProbeDisagreement | None = None,
+    retry_delay_ms: int = 0,
 ) -> ApiError:
-    name = pb.ErrorReason.Name(reason)
-    status = build_status(
-        code,
-        name,
-        message,
-        metadata=metadata,
-        field_violations=field_violations,
-        mode_refusal=mode_refusal,
-        probe_disagreement=probe_disagreement,
-    )
-    return ApiError(status, name, message)
+    details = {
+        "metadata": metadata,
+        "field_violations": field_violations,
+        "mode_refusal": mode_refusal,
+        "probe_disagreement": probe_disagreement,
+        "retry_delay_ms": retry_delay_ms,
+    }
+    return ApiError(code, pb.ErrorReason.Name(reason), message, details)
 
 
 def session_not_found(session_id: str) -> ApiError:
@@ -106,13 +114,16 @@ def key_too_large(field: str, size: int, limit: int) -> ApiError:
     )
 
 
-def batch_too_large(field: str, count: int, limit: int) -> ApiError:
+def batch_too_large(field: str, count: int | None, limit: int) -> ApiError:
+    """`count` is None when counting stopped at the limit (the request was refused unread)."""
+    shown = f"{count} items" if count is not None else "more items"
     return _error(
         grpc.StatusCode.INVALID_ARGUMENT,
         pb.BATCH_TOO_LARGE,
-        f"{field} has {count} items, more than the limit of {limit} (Limits.max_batch_items); "
-        "split the batch",
-        field_violations=[(field, f"{count} items > {limit}")],
+        f"{field} has {shown} than the limit of {limit} (Limits.max_batch_items); split the batch"
+        if count is None
+        else f"{field} has {shown}, more than the limit of {limit} (Limits.max_batch_items); split the batch",
+        field_violations=[(field, f"{count if count is not None else 'more'} items > {limit}")],
         metadata={"limit": str(limit)},
     )
 
@@ -177,4 +188,26 @@ def role_not_allowed(principal: str, role: str, rpc: str) -> ApiError:
         f"token {principal!r} has role {role!r}, which may not call {rpc} (engine: sessions and data; "
         "viewer: Diagnose and GetStats; admin: both)",
         metadata={"principal": principal, "role": role, "rpc": rpc},
+    )
+
+
+def malformed_request(message_type: str, detail: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.MALFORMED_REQUEST,
+        f"the request is not a valid kvtag.v1.{message_type} ({detail}); nothing in it was acted on. "
+        "Send messages built from kvtag.v1 store.proto",
+        metadata={"message_type": f"kvtag.v1.{message_type}"},
+    )
+
+
+def server_busy(held: int, asked: int, limit: int, retry_delay_ms: int) -> ApiError:
+    return _error(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        pb.SERVER_BUSY,
+        f"the server holds {held} bytes of requests and replies in flight; {asked} more would pass its "
+        f"admission limit of {limit} bytes (--max-inflight-bytes). Nothing was done; retry after "
+        f"{retry_delay_ms} ms",
+        metadata={"limit": str(limit), "asked": str(asked)},
+        retry_delay_ms=retry_delay_ms,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -46,3 +47,28 @@ def configure(log_format: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class RateLimited:
+    """At most one line per `interval_s` for each key; the next line says how many were left out.
+    For per-request warnings a misbehaving client can trigger at any rate."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
+        self._logger = logger
+        self._interval = interval_s
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, message: str, *args: object, extra: dict[str, Any] | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(key, 0.0):
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._next[key] = now + self._interval
+            suppressed = self._suppressed.pop(key, 0)
+        fields = dict(extra or {})
+        if suppressed:
+            fields["suppressed"] = suppressed
+        self._logger.warning(message, *args, extra=fields)

@@ -27,7 +27,7 @@ from kvtag_store import status_http, wire
 from kvtag_store.access import Access, AuthInterceptor
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.census_metrics import CensusCollector
-from kvtag_store.config import ServiceConfig
+from kvtag_store.config import SERVE, ServiceConfig
 from kvtag_store.history import DEFAULT_INTERVAL_S, HitRateHistory
 from kvtag_store.metrics import StoreMetrics
 from kvtag_store.security_options import Security
@@ -36,35 +36,34 @@ from kvtag_store.status import StatusSource
 
 log = logging.getLogger("kvtag_store.server")
 
+# How long past the grace stop() waits for gRPC to report the calls cancelled.
+STOP_SLACK_S = 1.0
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvStore"].full_name
 
 
 def kvstore_handlers(service: KvStoreService) -> grpc.GenericRpcHandler:
-    """The KvStore method table. Generated serializers everywhere except the hot paths of
-    kvtag_store.wire: Lookup and Put requests, Get and GetStream responses."""
+    """The KvStore method table. No request deserializers: every handler receives the raw bytes and
+    parses them itself after cheap checks (kvtag_store.intake), so a bad message is answered
+    INVALID_ARGUMENT by the handler and nothing can raise inside gRPC. Responses: generated
+    serializers, except Get and GetStream whose handlers return encoded bytes (kvtag_store.wire)."""
     out = wire.serialize_response
 
-    def unary(method: Callable[..., object], parse: Callable[[bytes], object]) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=parse, response_serializer=out
-        )
+    def unary(method: Callable[..., object]) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(method, response_serializer=out)
 
     handlers = {
-        "OpenSession": unary(service.OpenSession, pb.OpenSessionRequest.FromString),
-        "Heartbeat": unary(service.Heartbeat, pb.HeartbeatRequest.FromString),
-        "CloseSession": unary(service.CloseSession, pb.CloseSessionRequest.FromString),
-        "Lookup": unary(service.Lookup, wire.parse_lookup),
-        "Put": unary(service.Put, wire.parse_put),
-        "PutStream": grpc.stream_unary_rpc_method_handler(
-            service.PutStream, request_deserializer=wire.parse_put, response_serializer=out
-        ),
-        "Get": unary(service.Get, pb.GetRequest.FromString),
-        "GetStream": grpc.unary_stream_rpc_method_handler(
-            service.GetStream, request_deserializer=pb.GetRequest.FromString, response_serializer=out
-        ),
-        "ReleaseLeases": unary(service.ReleaseLeases, pb.ReleaseLeasesRequest.FromString),
-        "Diagnose": unary(service.Diagnose, pb.DiagnoseRequest.FromString),
-        "GetStats": unary(service.GetStats, pb.GetStatsRequest.FromString),
+        "OpenSession": unary(service.OpenSession),
+        "Heartbeat": unary(service.Heartbeat),
+        "CloseSession": unary(service.CloseSession),
+        "Lookup": unary(service.Lookup),
+        "Put": unary(service.Put),
+        "PutStream": grpc.stream_unary_rpc_method_handler(service.PutStream, response_serializer=out),
+        "Get": unary(service.Get),
+        "GetStream": grpc.unary_stream_rpc_method_handler(service.GetStream, response_serializer=out),
+        "ReleaseLeases": unary(service.ReleaseLeases),
+        "Diagnose": unary(service.Diagnose),
+        "GetStats": unary(service.GetStats),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["KvStore"].methods_by_name) - set(handlers)
     assert not missing, f"KvStore methods without a handler: {missing}"
@@ -83,10 +82,18 @@ class RunningServer:
     metrics_thread: threading.Thread | None
     history: HitRateHistory | None = None
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting calls, let running ones finish within `grace`, then release everything."""
+    def stop(self, grace: float = 5.0) -> bool:
+        """Stop accepting calls, let running ones finish within `grace`, then release everything.
+        Returns within about grace + STOP_SLACK_S whatever is in flight: False when gRPC had not
+        finished by then (the caller of a process should then exit without waiting for its threads)."""
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        finished: bool = self.server.stop(grace).wait(grace + STOP_SLACK_S)
+        if not finished:
+            log.warning(
+                "gRPC calls still running %.1f s after the %.1f s grace; not waiting for them",
+                STOP_SLACK_S,
+                grace,
+            )
         self.service.stop()
         if self.history is not None:
             self.history.stop()
@@ -94,6 +101,7 @@ class RunningServer:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
         self.service.backend.close()
+        return finished
 
 
 def start_server(
@@ -103,7 +111,7 @@ def start_server(
     *,
     listen: str = "127.0.0.1:0",
     metrics_listen: str = "",
-    workers: int = 16,
+    workers: int = SERVE.workers,
     history_interval_s: float = DEFAULT_INTERVAL_S,
     status_gate: status_http.Gate | None = None,
     security: Security | None = None,

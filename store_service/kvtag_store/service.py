@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -15,8 +16,9 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from kvtag_store import errors, tenant_stats, validation, wire
+from kvtag_store import errors, intake, logs, tenant_stats, validation, wire
 from kvtag_store.access import Access
+from kvtag_store.admission import COPIES, Admission
 from kvtag_store.auth import Principal, TokenRegistry
 from kvtag_store.backends.base import (
     BackendUnavailable,
@@ -36,6 +38,9 @@ from kvtag_store.metrics import KEY_STATUS_NAMES, PUT_STATUS_NAMES, StoreMetrics
 from kvtag_store.sessions import Session, SessionTable, Unpin
 
 log = logging.getLogger("kvtag_store.service")
+# Requests refused before they were read (malformed bytes, admission): one line a second per reason.
+rejections = logs.RateLimited(log)
+_UNREAD = frozenset({"MALFORMED_REQUEST", "SERVER_BUSY"})
 
 # Room left in a message for everything but the value (keys, statuses, framing).
 MESSAGE_OVERHEAD = 1 << 20
@@ -52,31 +57,38 @@ R = TypeVar("R")
 _GROUP_KEY = attrgetter("group", "key")
 
 
-def rpc(method: Callable[..., R]) -> Callable[..., R]:
-    """Time the call and turn ApiError / BackendUnavailable into rich statuses."""
-    name = method.__name__
+def rpc(spec: intake.Intake | None) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Time the call, turn ApiError / BackendUnavailable into rich statuses, and (with `spec`) take the
+    raw request bytes through intake.admitted: counted, admitted, parsed, held until the call ends.
+    Without `spec` the method receives what gRPC gives it (the raw stream of PutStream)."""
 
-    @functools.wraps(method)
-    def wrapper(self: KvStoreService, request: Any, context: grpc.ServicerContext) -> R:
-        started = time.perf_counter()
-        failure: errors.ApiError | None = None
-        try:
-            return method(self, request, context)
-        except errors.ApiError as exc:
-            failure = exc
-        except BackendUnavailable as exc:
-            failure = errors.backend_unavailable(str(exc))
-        except Exception:  # a bug: log it with the stack; gRPC answers UNKNOWN
-            log.exception("%s failed unexpectedly", name, extra={"rpc": name})
-            raise
-        finally:
-            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
-        self.metrics.rpc_errors.labels(name, failure.reason).inc()
-        log.info("%s refused: %s", name, failure.message, extra={"rpc": name, "reason": failure.reason})
-        context.abort_with_status(failure.status)
-        raise AssertionError("abort_with_status returns only by raising")
+    def decorate(method: Callable[..., R]) -> Callable[..., R]:
+        name = method.__name__
 
-    return wrapper
+        @functools.wraps(method)
+        def wrapper(self: KvStoreService, data: Any, context: grpc.ServicerContext) -> R:
+            started = time.perf_counter()
+            try:
+                if spec is None:
+                    return method(self, data, context)
+                with self.admitted(spec, data) as request:
+                    return method(self, request, context)
+            except errors.ApiError as exc:
+                failure = exc
+            except BackendUnavailable as exc:
+                failure = errors.backend_unavailable(str(exc))
+            except Exception:  # a bug: log it with the stack; gRPC answers UNKNOWN
+                log.exception("%s failed unexpectedly", name, extra={"rpc": name})
+                raise
+            finally:
+                self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
+            self.refused(name, failure)
+            context.abort_with_status(failure.status)
+            raise AssertionError("abort_with_status returns only by raising")
+
+        return wrapper
+
+    return decorate
 
 
 class KvStoreService(store_pb2_grpc.KvStoreServicer):
@@ -96,6 +108,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.sessions = SessionTable(config.session_ttl_ms)
         self.census = Census(census_store, config.namespace_policies, config.default_policy)
         self.base_index = BaseKeyIndex(config.base_index_entries)
+        self.admission = Admission(config.max_inflight_bytes)
+        self.max_value_bytes = min(backend.max_value_bytes, self.limits.max_message_bytes - MESSAGE_OVERHEAD)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         metrics.watch(backend.stats, self.census.live_sessions)
@@ -110,7 +124,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def stop(self) -> None:
         self._stop.set()
         if self._reaper is not None:
-            self._reaper.join(timeout=5)
+            self._reaper.join(timeout=1)
 
     def _reap_forever(self) -> None:
         interval = min(0.25, self.config.session_ttl_ms / 4000.0)
@@ -144,19 +158,29 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             raise errors.session_not_found(session_id)
         return session
 
+    def admitted(self, spec: intake.Intake, data: bytes) -> AbstractContextManager[Any]:
+        return intake.admitted(spec, data, self.limits.max_batch_items, self.admission)
+
+    def refused(self, name: str, failure: errors.ApiError) -> None:
+        """Count and log a refused call: one line each, rate-limited for requests refused unread."""
+        self.metrics.rpc_errors.labels(name, failure.reason).inc()
+        extra = {"rpc": name, "reason": failure.reason}
+        if failure.reason in _UNREAD:
+            rejections.warning(failure.reason, "%s refused: %s", name, failure.message, extra=extra)
+        else:
+            log.info("%s refused: %s", name, failure.message, extra=extra)
+
     def limits_message(self) -> pb.Limits:
         return pb.Limits(
             max_key_bytes=self.limits.max_key_bytes,
             max_batch_items=self.limits.max_batch_items,
-            max_value_bytes=min(
-                self.backend.max_value_bytes, self.limits.max_message_bytes - MESSAGE_OVERHEAD
-            ),
+            max_value_bytes=self.max_value_bytes,
             max_message_bytes=self.limits.max_message_bytes,
         )
 
     # -- sessions -----------------------------------------------------------
 
-    @rpc
+    @rpc(intake.OPEN_SESSION)
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionResponse:
@@ -201,12 +225,12 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             limits=self.limits_message(),
         )
 
-    @rpc
+    @rpc(intake.HEARTBEAT)
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         self._session(request.session_id, context, "Heartbeat")
         return pb.HeartbeatResponse(session_ttl_ms=self.config.session_ttl_ms)
 
-    @rpc
+    @rpc(intake.CLOSE_SESSION)
     def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
     ) -> pb.CloseSessionResponse:
@@ -224,12 +248,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     # -- data ---------------------------------------------------------------
 
-    @rpc
-    def Lookup(
-        self, request: wire.LookupBatch | pb.LookupRequest, context: grpc.ServicerContext
-    ) -> pb.LookupResponse:
-        if isinstance(request, pb.LookupRequest):
-            request = wire.lookup_from_message(request)
+    @rpc(intake.LOOKUP)
+    def Lookup(self, request: wire.LookupBatch, context: grpc.ServicerContext) -> pb.LookupResponse:
         session = self._session(request.session_id, context, "Lookup")
         addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
         ns_id, mode_id = session.namespace_id, session.mode_id
@@ -302,7 +322,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         batch_index: list[int] = []
         for index, item in enumerate(items):
             payload = item.payload
-            if payload == "value":
+            if payload == "value" and len(item.value) > self.max_value_bytes:
+                outcomes[index] = self._too_large(len(item.value))
+            elif payload == "value":
                 batch.append(((item.group, BlockKey(item.key)), item.value))
                 batch_index.append(index)
             elif payload == "shared_memory":
@@ -335,15 +357,21 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if stored_bytes:
             self.metrics.put_bytes.inc(stored_bytes)
 
+    def _too_large(self, size: int) -> PutResult:
+        return PutResult(
+            PutOutcome.REJECTED,
+            f"value of {size} bytes exceeds Limits.max_value_bytes of {self.max_value_bytes} bytes (the "
+            "smallest of the store capacity, the backend's value limit and --max-message-bytes less 1 MiB); "
+            "store smaller blocks",
+        )
+
     def _check_put_keys(self, items: list[wire.PutItemView]) -> None:
         validation.batch_size("items", len(items), self.limits)
         for index, item in enumerate(items):
             validation.key(item.key, f"items[{index}].block.key", self.limits)
 
-    @rpc
-    def Put(self, request: wire.PutBatch | pb.PutRequest, context: grpc.ServicerContext) -> pb.PutResponse:
-        if isinstance(request, pb.PutRequest):
-            request = wire.put_from_message(request)
+    @rpc(intake.PUT)
+    def Put(self, request: wire.PutBatch, context: grpc.ServicerContext) -> pb.PutResponse:
         session = self._session(request.session_id, context, "Put")
         self._check_put_keys(request.items)
         response = pb.PutResponse()
@@ -352,25 +380,20 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         response.results.extend(results)
         return response
 
-    @rpc
-    def PutStream(
-        self, request_iterator: Iterator[wire.PutBatch | pb.PutRequest], context: grpc.ServicerContext
-    ) -> pb.PutResponse:
+    @rpc(None)
+    def PutStream(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PutResponse:
+        """Messages are handled in order, each admitted on its own. When one fails, the error carries
+        the results of the items of the earlier messages (they were handled), as a PutResponse."""
         session: Session | None = None
         results: list[pb.PutResult] = []
-        for message in request_iterator:
-            request = wire.put_from_message(message) if isinstance(message, pb.PutRequest) else message
-            if session is None:
-                session = self._session(request.session_id, context, "PutStream")
-            elif request.session_id and request.session_id != session.session_id:
-                raise errors.invalid_request(
-                    "a PutStream carries one session; later messages must omit session_id or repeat it",
-                    "session_id",
-                )
-            else:
-                self.sessions.touch(session.session_id)
-            self._check_put_keys(request.items)
-            self._put_items(session, request.items, results)
+        for data in request_iterator:
+            try:
+                with self.admitted(intake.PUT, data) as request:
+                    session = self._put_message(session, request, results, context)
+            except errors.ApiError as exc:
+                if session is not None:
+                    exc.details["put_results"] = pb.PutResponse(results=results)
+                raise
         if session is None:
             raise errors.invalid_request(
                 "PutStream carried no message; send at least one PutRequest", "session_id"
@@ -378,6 +401,26 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         response = pb.PutResponse()
         response.results.extend(results)
         return response
+
+    def _put_message(
+        self,
+        session: Session | None,
+        request: wire.PutBatch,
+        results: list[pb.PutResult],
+        context: grpc.ServicerContext,
+    ) -> Session:
+        if session is None:
+            session = self._session(request.session_id, context, "PutStream")
+        elif request.session_id and request.session_id != session.session_id:
+            raise errors.invalid_request(
+                "a PutStream carries one session; later messages must omit session_id or repeat it",
+                "session_id",
+            )
+        else:
+            self.sessions.touch(session.session_id)
+        self._check_put_keys(request.items)
+        self._put_items(session, request.items, results)
+        return session
 
     def _read(
         self, request: pb.GetRequest, context: grpc.ServicerContext, rpc: str
@@ -394,23 +437,28 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
         return session, addresses, results
 
-    @rpc
+    @rpc(intake.GET)
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
         """Returns the encoded GetResponse (wire.encode_get_results): values are copied once."""
         _, _, results = self._read(request, context, "Get")
-        self.metrics.get_bytes.inc(sum(len(r.value) for r in results if r.value is not None))
-        return wire.encode_get_results(results)
+        served = sum(len(r.value) for r in results if r.value is not None)
+        with self.admission.hold(COPIES * served):
+            reply = wire.encode_get_results(results)
+        self.metrics.get_bytes.inc(served)
+        return reply
 
-    def GetStream(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def GetStream(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Yields encoded GetResponse messages of at most ~4 MiB each, results in request order."""
         started = time.perf_counter()
         try:
-            _, _, results = self._read(request, context, "GetStream")
+            with self.admitted(intake.GET, data) as request:
+                _, _, results = self._read(request, context, "GetStream")
         except errors.ApiError as exc:
-            self.metrics.rpc_errors.labels("GetStream", exc.reason).inc()
+            self.refused("GetStream", exc)
             context.abort_with_status(exc.status)
             return
         except BackendUnavailable as exc:
+            self.refused("GetStream", errors.backend_unavailable(str(exc)))
             context.abort_with_status(errors.backend_unavailable(str(exc)).status)
             return
         finally:
@@ -433,7 +481,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             yield wire.encode_get_results(chunk)
         self.metrics.get_bytes.inc(served)
 
-    @rpc
+    @rpc(intake.RELEASE_LEASES)
     def ReleaseLeases(
         self, request: pb.ReleaseLeasesRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseLeasesResponse:
@@ -444,7 +492,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     # -- diagnostics --------------------------------------------------------
 
-    @rpc
+    @rpc(intake.DIAGNOSE)
     def Diagnose(self, request: pb.DiagnoseRequest, context: grpc.ServicerContext) -> pb.DiagnoseResponse:
         principal = self.access.viewer(context, "Diagnose")
         report = self.census.report(request.namespace_id)
@@ -455,7 +503,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             namespaces=[ns for ns in report.namespaces if principal.may_use(ns.namespace.tenant)]
         )
 
-    @rpc
+    @rpc(intake.GET_STATS)
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         principal = self.access.viewer(context, "GetStats")
         return tenant_stats.stats_response(self.backend.stats(), self.census.tenants(), principal)

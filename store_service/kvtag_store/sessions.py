@@ -157,11 +157,3 @@ class SessionTable:
             stale = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
             unpins.extend(self._drop_leases(stale))
             return dead, unpins
-
-    def live(self) -> list[Session]:
-        with self._lock:
-            return list(self._sessions.values())
-
-    def lease_count(self) -> int:
-        with self._lock:
-            return len(self._leases)

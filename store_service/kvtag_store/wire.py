@@ -36,6 +36,18 @@ class _Irregular(Exception):
     """The bytes are not in the shape the fast path handles; use the generated parser."""
 
 
+class TooManyItems(Exception):
+    """The request repeats its batch field more often than allowed; raised before any item is built."""
+
+    def __init__(self, count: int | None) -> None:
+        super().__init__(count)
+        self.count = count  # exact when known, None for "more than the limit"
+
+
+class Malformed(Exception):
+    """The bytes do not frame as protobuf fields (the counting walk found no valid field boundary)."""
+
+
 def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
     result = 0
     shift = 0
@@ -90,10 +102,13 @@ class LookupBatch:
         return [(blocks[i].group, blocks[i].base_key) for i in indexes if blocks[i].base_key]
 
 
-def parse_lookup(data: bytes) -> LookupBatch:
+def parse_lookup(data: bytes, max_items: int = 0) -> LookupBatch:
+    """With max_items, TooManyItems is raised before any key is cut or any message is built."""
     try:
-        return _parse_lookup_fast(data)
+        return _parse_lookup_fast(data, max_items)
     except _Irregular:
+        if max_items:
+            count_items(data, max_items)
         return lookup_from_message(pb.LookupRequest.FromString(data))
 
 
@@ -102,7 +117,7 @@ def lookup_from_message(message: pb.LookupRequest) -> LookupBatch:
     return LookupBatch(message.session_id, addresses, message.lease_ms, 0, message)
 
 
-def _parse_lookup_fast(data: bytes) -> LookupBatch:
+def _parse_lookup_fast(data: bytes, max_items: int) -> LookupBatch:
     pos = 0
     session_id = ""
     if data[:1] == b"\x0a":
@@ -133,6 +148,8 @@ def _parse_lookup_fast(data: bytes) -> LookupBatch:
         for offset, byte in enumerate(header):
             if data[pos + offset : end : stride] != bytes((byte,)) * count:
                 raise _Irregular
+        if max_items and count > max_items:
+            raise TooManyItems(count)
         keys = [data[i : i + key_length] for i in range(pos + 4, end, stride)]
         pos = end
     lease_ms = 0
@@ -164,10 +181,13 @@ class PutBatch:
     items: list[PutItemView]
 
 
-def parse_put(data: bytes) -> PutBatch:
+def parse_put(data: bytes, max_items: int = 0) -> PutBatch:
+    """With max_items, TooManyItems is raised before more than max_items items are built."""
     try:
-        return _parse_put_fast(data)
+        return _parse_put_fast(data, max_items)
     except _Irregular:
+        if max_items:
+            count_items(data, max_items)
         return put_from_message(pb.PutRequest.FromString(data))
 
 
@@ -185,7 +205,7 @@ def put_from_message(message: pb.PutRequest) -> PutBatch:
     return PutBatch(message.session_id, items)
 
 
-def _parse_put_fast(data: bytes) -> PutBatch:
+def _parse_put_fast(data: bytes, max_items: int) -> PutBatch:
     view = memoryview(data)
     pos, end = 0, len(data)
     session_id = ""
@@ -205,6 +225,8 @@ def _parse_put_fast(data: bytes) -> PutBatch:
                 except UnicodeDecodeError:
                     raise _Irregular from None
             else:
+                if max_items and len(items) == max_items:
+                    raise TooManyItems(None)
                 items.append(_parse_put_item(view, pos, pos + length))
             pos += length
         else:
@@ -266,6 +288,35 @@ def _parse_block(view: memoryview, pos: int, end: int, item: PutItemView) -> Non
         raise _Irregular
 
 
+# -- Counting ---------------------------------------------------------------
+
+
+def count_items(data: bytes, max_items: int, field: int = 2) -> int:
+    """An upper bound of how often the top-level `field` (the batch of every KvStore request) occurs,
+    without building anything: exact from a walk of the field framing, or len(data) // 2 when that
+    cannot pass max_items (every field takes two bytes or more) and the walk (~2.5 us per field) is
+    skipped. Raises TooManyItems past max_items, and Malformed when the bytes do not frame or repeat
+    other fields past max_items (a pathological message no client sends)."""
+    if len(data) < 2 * max_items:
+        return len(data) // 2
+    pos, end, count, others = 0, len(data), 0, 0
+    try:
+        while pos < end:
+            tag, pos = _varint(data, pos)
+            if tag >> 3 == field:
+                count += 1
+                if count > max_items:
+                    raise TooManyItems(None)
+            else:
+                others += 1
+                if others > max_items:
+                    raise Malformed(f"top-level fields repeat more than {max_items} times")
+            pos = _skip(data, pos, tag & 7)
+    except _Irregular:
+        raise Malformed(f"no valid protobuf field at byte {pos}") from None
+    return count
+
+
 # -- Get --------------------------------------------------------------------
 
 # Encoded GetResult{status} for results without a value.
@@ -299,8 +350,11 @@ def serialize_response(response: Any) -> bytes:
 
 __all__ = [
     "LookupBatch",
+    "Malformed",
     "PutBatch",
     "PutItemView",
+    "TooManyItems",
+    "count_items",
     "encode_get_results",
     "parse_lookup",
     "parse_put",

@@ -63,7 +63,7 @@ class Replica:
                 "--backend=mooncake",
                 f"--mooncake-master={self.cluster.master_address}",
                 f"--mooncake-metrics={self.cluster.metrics_address}",
-                "--mooncake-local-buffer=32MB",
+                "--mooncake-local-buffer=32MiB",
                 f"--mooncake-lease-ttl-ms={self.cluster.lease_ttl_ms}",
                 "--workers=4",
                 *self.extra_args,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from kvtag_store import config
 from kvtag_store.backends import mooncake_options
 
 
@@ -20,7 +21,7 @@ def test_flag_beats_environment_beats_config_file(tmp_path: Path, monkeypatch: p
     config = tmp_path / "mooncake.json"
     config.write_text(json.dumps({"master": "10.0.0.1:1", "local-buffer": "1GB", "protocol": "rdma"}))
     monkeypatch.setenv("KVTAG_MOONCAKE_CONFIG", str(config))
-    monkeypatch.setenv("KVTAG_MOONCAKE_LOCAL_BUFFER", "128MB")
+    monkeypatch.setenv("KVTAG_MOONCAKE_LOCAL_BUFFER", "128MiB")
     settings = mooncake_options.settings_from(parse(["--mooncake-master", "127.0.0.1:50051"]))
     assert settings.master == "127.0.0.1:50051"
     assert settings.local_buffer_bytes == 128 << 20
@@ -43,9 +44,18 @@ def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
         mooncake_options.resolve(parse(["--mooncake-config", str(config)]))
 
 
-@pytest.mark.parametrize(("text", "size"), [("64MB", 64 << 20), ("1GiB", 1 << 30), ("4096", 4096)])
-def test_sizes_parse_with_binary_units(text: str, size: int) -> None:
-    assert mooncake_options.parse_size(text) == size
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("64MiB", 64 << 20), ("64MB", 64_000_000), ("1GiB", 1 << 30), ("4TiB", 4 << 40), ("4096", 4096)],
+)
+def test_sizes_parse_like_the_service_flags(text: str, size: int) -> None:
+    """One parser for every size (issue 10 finding 6): MB is decimal, MiB binary, here as in --capacity."""
+    assert mooncake_options.parse_size(text) == size == config.parse_size(text)
+
+
+def test_default_local_buffer_is_64_mib() -> None:
+    settings = mooncake_options.settings_from(parse(["--mooncake-master", "127.0.0.1:1"]))
+    assert settings.local_buffer_bytes == 64 << 20
 
 
 def test_malformed_size_is_refused() -> None:

@@ -82,7 +82,7 @@ def test_value_larger_than_capacity_is_rejected_per_item_and_the_rest_is_stored(
         timeout=5,
     )
     assert [r.status for r in response.results] == [pb.REJECTED, pb.STORED]
-    assert "exceeds the store capacity" in response.results[0].reason
+    assert "exceeds Limits.max_value_bytes of 4000 bytes" in response.results[0].reason
 
 
 def test_get_with_lease_id_releases_the_lease(make_store: ServerFactory) -> None:

@@ -2,9 +2,10 @@
 
 Every request-level failure carries a google.rpc.Status whose details hold a
 google.rpc.ErrorInfo (domain "kvtag.dev", reason = an ErrorReason name) and,
-where relevant, a google.rpc.BadRequest, a kvtag.v1.ModeRefusal or a
-kvtag.v1.ProbeDisagreement. Both sides import this module so the packing and
-unpacking can never drift apart.
+where relevant, a google.rpc.BadRequest, a google.rpc.RetryInfo, a
+kvtag.v1.ModeRefusal, a kvtag.v1.ProbeDisagreement or, for a PutStream that failed
+part way, a kvtag.v1.PutResponse with the results of the items handled before.
+Both sides import this module so the packing and unpacking can never drift apart.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class KvtagError:
     probe_disagreement: pb.ProbeDisagreement | None = None
     # (field, description) pairs from google.rpc.BadRequest.
     field_violations: list[tuple[str, str]] = field(default_factory=list)
+    # google.rpc.RetryInfo.retry_delay in milliseconds; 0 when the server gave no hint.
+    retry_delay_ms: int = 0
+    # PutStream failed part way: the results of the items of the messages handled before the failure.
+    put_results: pb.PutResponse | None = None
 
 
 _CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
@@ -53,6 +58,8 @@ def build_status(
     field_violations: Sequence[tuple[str, str]] = (),
     mode_refusal: pb.ModeRefusal | None = None,
     probe_disagreement: pb.ProbeDisagreement | None = None,
+    retry_delay_ms: int = 0,
+    put_results: pb.PutResponse | None = None,
 ) -> grpc.Status:
     """A grpc.Status for `context.abort_with_status`, carrying ErrorInfo and the given details."""
     status = status_pb2.Status(code=code.value[0], message=message)
@@ -70,6 +77,12 @@ def build_status(
         status.details.append(_pack(mode_refusal))
     if probe_disagreement is not None:
         status.details.append(_pack(probe_disagreement))
+    if retry_delay_ms:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromMilliseconds(retry_delay_ms)
+        status.details.append(_pack(retry))
+    if put_results is not None:
+        status.details.append(_pack(put_results))
     return rpc_status.to_status(status)
 
 
@@ -80,6 +93,8 @@ def parse_status(status: status_pb2.Status) -> KvtagError | None:
     refusal: pb.ModeRefusal | None = None
     disagreement: pb.ProbeDisagreement | None = None
     violations: list[tuple[str, str]] = []
+    retry_delay_ms = 0
+    put_results: pb.PutResponse | None = None
     found = False
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
@@ -99,6 +114,13 @@ def parse_status(status: status_pb2.Status) -> KvtagError | None:
         elif detail.Is(pb.ProbeDisagreement.DESCRIPTOR):
             disagreement = pb.ProbeDisagreement()
             detail.Unpack(disagreement)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            retry_delay_ms = retry.retry_delay.ToMilliseconds()
+        elif detail.Is(pb.PutResponse.DESCRIPTOR):
+            put_results = pb.PutResponse()
+            detail.Unpack(put_results)
     if not found:
         return None
     return KvtagError(
@@ -109,6 +131,8 @@ def parse_status(status: status_pb2.Status) -> KvtagError | None:
         mode_refusal=refusal,
         probe_disagreement=disagreement,
         field_violations=violations,
+        retry_delay_ms=retry_delay_ms,
+        put_results=put_results,
     )
 
 

@@ -2,10 +2,11 @@
 
 The serve command adds these flags unconditionally and calls `build` only for
 `--backend mooncake`, so the import of the Mooncake wheel stays lazy.
-Precedence: a flag, then its KVTAG_MOONCAKE_* environment variable, then the
-JSON file named by --mooncake-config (keys are the flag names without the
-`--mooncake-` prefix, e.g. {"master": "10.0.0.5:50051", "local-buffer": "256MB"}),
-then the default.
+Precedence, the service's one rule (kvtag_store.config): a flag, then its
+KVTAG_MOONCAKE_* environment variable, then the JSON file named by
+--mooncake-config (keys are the flag names without the `--mooncake-` prefix,
+e.g. {"master": "10.0.0.5:50051", "local-buffer": "256MiB"}), then the default.
+Sizes are read by config.parse_size (64MiB = 67,108,864 bytes, 64MB = 64,000,000).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from typing import Any
 
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.mooncake import MooncakeSettings
+from kvtag_store.config import env_name as _flag_env_name
+from kvtag_store.config import parse_size as parse_size
 
 # name -> (default, help). Names are the flag suffixes; env is KVTAG_MOONCAKE_<NAME upper, _>.
 _OPTIONS: dict[str, tuple[str | None, str]] = {
@@ -26,24 +28,15 @@ _OPTIONS: dict[str, tuple[str | None, str]] = {
     "local-hostname": ("127.0.0.1", "address this process's transfer engine advertises to the cluster"),
     "protocol": ("tcp", "transfer protocol: tcp or rdma"),
     "device-names": ("", "RDMA device names for --mooncake-protocol rdma"),
-    "local-buffer": ("64MB", "local transfer buffer; the largest block is a quarter of it"),
+    "local-buffer": ("64MiB", "local transfer buffer; the largest block is a quarter of it"),
     "segment-size": ("0", "memory this process contributes to the cluster (0: a pure client)"),
     "lease-ttl-ms": ("10000", "the master's --default_kv_lease_ttl; pinned blocks are renewed every third"),
-}
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1 << 10,
-    "MB": 1 << 20,
-    "GB": 1 << 30,
-    "KIB": 1 << 10,
-    "MIB": 1 << 20,
-    "GIB": 1 << 30,
 }
 
 
 def env_name(option: str) -> str:
-    return "KVTAG_MOONCAKE_" + option.upper().replace("-", "_")
+    """local-buffer -> KVTAG_MOONCAKE_LOCAL_BUFFER (the name config.env_name gives the flag)."""
+    return _flag_env_name(f"--mooncake-{option}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,15 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON file of the options above (keys without the --mooncake- prefix); "
         f"env {env_name('config')}",
     )
-
-
-def parse_size(text: str) -> int:
-    """'64MB', '1GiB', '1048576' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 64MB, 1GB or a byte count)")
-    return int(match.group(1)) * _UNITS[unit]
 
 
 def resolve(args: argparse.Namespace) -> dict[str, str]:

@@ -23,6 +23,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNAUTHENTICATED: _ClassVar[ErrorReason]
     TENANT_NOT_GRANTED: _ClassVar[ErrorReason]
     ROLE_NOT_ALLOWED: _ClassVar[ErrorReason]
+    MALFORMED_REQUEST: _ClassVar[ErrorReason]
+    SERVER_BUSY: _ClassVar[ErrorReason]
 
 class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -64,6 +66,8 @@ INVALID_REQUEST: ErrorReason
 UNAUTHENTICATED: ErrorReason
 TENANT_NOT_GRANTED: ErrorReason
 ROLE_NOT_ALLOWED: ErrorReason
+MALFORMED_REQUEST: ErrorReason
+SERVER_BUSY: ErrorReason
 POLICY_UNSPECIFIED: Policy
 POLICY_ISOLATE: Policy
 POLICY_STRICT: Policy

@@ -151,7 +151,10 @@ class KvStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutStream(self, request_iterator, context):
-        """Same as Put for batches larger than one message.
+        """Same as Put for batches larger than one message. Messages are handled in
+        order; when one fails (a malformed message, a bad key, another session),
+        the call fails and its error details carry a PutResponse with the
+        results of the items of all earlier messages, which were handled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
