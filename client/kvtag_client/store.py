@@ -464,6 +464,11 @@ class StoreClient:
         code = self._code(err)
         with self._lock:
             self.counters.degraded_calls += 1
+        detail = parse_error(err)
+        if detail is not None and detail.reason == "SERVER_BUSY":
+            # The store is up but at its admission limit: this call is a miss/drop, the session stays.
+            log.debug("kvtag store %s busy: %s", self.endpoint, detail.message)
+            return
         if code in _OUTAGE_CODES or code in _AUTH_CODES:
             self._mark_outage(code, err)
         else:
@@ -543,7 +548,8 @@ class StoreClient:
         and messages under max_message_bytes (several messages go through PutStream).
         Items that cannot be sent at all (bad key, value larger than a message) are
         REJECTED locally; items lost to a failure mid-batch are UNSPECIFIED and counted
-        as dropped.
+        as dropped, except those of the PutStream messages the server handled before the
+        failure, whose results come back with the error.
         """
         if not items:
             return []
@@ -567,6 +573,7 @@ class StoreClient:
         sent_any = False
         try:
             for batch in self._put_batches(items, sendable, min(budget, _STREAM_MESSAGE_TARGET)):
+                # A PutStream that failed part way returns the results of its earlier messages.
                 statuses = self._put_batch(deadline, items, batch)
                 for n, status in zip([n for message in batch for n in message], statuses, strict=False):
                     results[n] = status
@@ -619,15 +626,29 @@ class StoreClient:
                 encode_put_request(sid, [self._put_fields(items[n]) for n in message]) for message in batch
             ]
 
+        partial: list[int] = []
+
         def rpc(sid: str, timeout: float) -> list[int]:
             requests = messages(sid)
             if len(requests) == 1:
                 response: pb.PutResponse = self._put_raw(requests[0], timeout=timeout)
-            else:
+                return [r.status for r in response.results]
+            try:
                 response = self._put_stream_raw(iter(requests), timeout=timeout)
+            except grpc.RpcError as err:
+                # The server handled the messages before the failing one; their results ride on the error.
+                detail = parse_error(err)
+                if detail is not None and detail.put_results is not None:
+                    partial[:] = [r.status for r in detail.put_results.results]
+                raise
             return [r.status for r in response.results]
 
-        return self._call(deadline, rpc)
+        try:
+            return self._call(deadline, rpc)
+        except _CallFailed:
+            if partial:
+                return partial
+            raise
 
     def _put_fields(self, item: tuple[int, bytes, bytes, bytes]) -> PutItemFields:
         """(group, key, value, base_key) as sent: an invalid base key is dropped, as in _block_ref."""

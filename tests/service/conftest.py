@@ -38,7 +38,7 @@ def make_store() -> Iterator[ServerFactory]:
         channel = grpc.insecure_channel(server.address, options=options)
         running.append((server, channel))
         stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
-        return Store(server=server, stub=stub, backend=backend)
+        return Store(server=server, stub=stub, backend=backend, channel=channel)
 
     yield factory
     for server, channel in running:

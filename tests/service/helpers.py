@@ -33,6 +33,8 @@ class Store:
     server: RunningServer
     stub: Any
     backend: MemoryBackend
+    # The stub's channel, for calls with raw bytes (make_store sets it).
+    channel: grpc.Channel | None = None
 
     def open(
         self,
