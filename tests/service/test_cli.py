@@ -190,7 +190,7 @@ def test_serving_line_is_logged_even_at_warning_level() -> None:
     assert any("stopped cleanly" in line for line in served.log_lines)
 
 
-def _bad_put_streams(address: str, count: int) -> list[grpc.Future]:  # type: ignore[type-arg]
+def _bad_put_streams(address: str, count: int) -> list[grpc.Future]:
     """PutStreams whose second message does not parse and that never half-close (issue 10 finding 2)."""
     channel = grpc.insecure_channel(address)
     call = channel.stream_unary("/kvtag.v1.KvStore/PutStream")

@@ -127,15 +127,15 @@ def test_batch_over_the_limit_is_refused_by_count_for_every_batch_method(make_st
     store = make_store(limits=ServiceLimits(max_batch_items=8))
     session = store.open().session_id
     blocks = b"".join(b"\x12\x04\x0a\x02k%d" % (i % 10) for i in range(40))
-    for method, head in (
-        ("Lookup", pb.LookupRequest(session_id=session)),
-        ("Get", pb.GetRequest(session_id=session)),
-        ("ReleaseLeases", pb.ReleaseLeasesRequest(session_id=session)),
-        ("Put", pb.PutRequest(session_id=session)),
-    ):
-        error = error_of(
-            lambda m=method, h=head: raw_unary(store, m)(h.SerializeToString() + blocks, timeout=5)
-        )
+    heads: dict[str, bytes] = {
+        "Lookup": pb.LookupRequest(session_id=session).SerializeToString(),
+        "Get": pb.GetRequest(session_id=session).SerializeToString(),
+        "ReleaseLeases": pb.ReleaseLeasesRequest(session_id=session).SerializeToString(),
+        "Put": pb.PutRequest(session_id=session).SerializeToString(),
+    }
+    for method, head in heads.items():
+        call = raw_unary(store, method)
+        error = error_of(lambda: call(head + blocks, timeout=5))  # noqa: B023
         assert (error.code, error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BATCH_TOO_LARGE"), method
 
 
