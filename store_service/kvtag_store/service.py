@@ -42,8 +42,13 @@ log = logging.getLogger("kvtag_store.service")
 rejections = logs.RateLimited(log)
 _UNREAD = frozenset({"MALFORMED_REQUEST", "SERVER_BUSY"})
 
-# Room left in a message for everything but the value (keys, statuses, framing).
-MESSAGE_OVERHEAD = 1 << 20
+
+def message_headroom(max_message_bytes: int) -> int:
+    """Room left in a message for everything but the value (keys, statuses, framing): 1 MiB, or a
+    sixteenth of a smaller message limit (a 1 MiB limit still carries 960 KiB values)."""
+    return min(1 << 20, max_message_bytes // 16)
+
+
 STREAM_MESSAGE_BYTES = (4 << 20) - (64 << 10)
 _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 
@@ -109,7 +114,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.census = Census(census_store, config.namespace_policies, config.default_policy)
         self.base_index = BaseKeyIndex(config.base_index_entries)
         self.admission = Admission(config.max_inflight_bytes)
-        self.max_value_bytes = min(backend.max_value_bytes, self.limits.max_message_bytes - MESSAGE_OVERHEAD)
+        self.message_budget = self.limits.max_message_bytes - message_headroom(self.limits.max_message_bytes)
+        self.max_value_bytes = min(backend.max_value_bytes, self.message_budget)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         metrics.watch(backend.stats, self.census.live_sessions)
@@ -361,8 +367,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return PutResult(
             PutOutcome.REJECTED,
             f"value of {size} bytes exceeds Limits.max_value_bytes of {self.max_value_bytes} bytes (the "
-            "smallest of the store capacity, the backend's value limit and --max-message-bytes less 1 MiB); "
-            "store smaller blocks",
+            "smallest of the store capacity, the backend's value limit and --max-message-bytes less "
+            "headroom); store smaller blocks",
         )
 
     def _check_put_keys(self, items: list[wire.PutItemView]) -> None:
@@ -465,7 +471,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.metrics.rpc_seconds.labels("GetStream").observe(time.perf_counter() - started)
         # Messages stay under gRPC's default 4 MiB receive limit so any client can read the stream;
         # only a single value larger than that needs a client that raised its limit (Limits says how far).
-        budget = min(self.limits.max_message_bytes - MESSAGE_OVERHEAD, STREAM_MESSAGE_BYTES)
+        budget = min(self.message_budget, STREAM_MESSAGE_BYTES)
         chunk: list[ReadResult] = []
         size = 0
         served = 0

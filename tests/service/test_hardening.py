@@ -107,7 +107,7 @@ def test_max_value_bytes_is_enforced_as_announced(make_store: ServerFactory) -> 
     store = make_store(capacity=64 << 20, limits=ServiceLimits(max_message_bytes=3 << 20))
     opened = store.open()
     limit = opened.limits.max_value_bytes
-    assert limit == (3 << 20) - (1 << 20)  # the message bound less framing, below the capacity
+    assert limit == (3 << 20) - (3 << 20) // 16  # the message bound less framing, below the capacity
     over = store.stub.Put(
         pb.PutRequest(
             session_id=opened.session_id,
