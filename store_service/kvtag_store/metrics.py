@@ -107,6 +107,26 @@ class _StoreCollector(Collector):
         for ns_id, (_keys, used) in sorted(stats.per_namespace.items()):
             per_ns.add_metric([ns_id], used)
         yield per_ns
+        yield from _tenant_families(stats)
+
+
+def _tenant_families(stats: BackendStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per-tenant figures (tenant names are labels: the metrics port is the operator's, docs/security.md)."""
+    used = GaugeMetricFamily("kvtag_tenant_used_bytes", "Value bytes per tenant", labels=["tenant"])
+    keys = GaugeMetricFamily("kvtag_tenant_keys", "Blocks per tenant", labels=["tenant"])
+    quota = GaugeMetricFamily(
+        "kvtag_tenant_quota_bytes", "Tenant quota (0: shares the pool)", labels=["tenant"]
+    )
+    evictions = CounterMetricFamily(
+        "kvtag_tenant_evictions", "Blocks of the tenant evicted for room", labels=["tenant"]
+    )
+    for tenant, usage in sorted(stats.per_tenant.items()):
+        used.add_metric([tenant], usage.used_bytes)
+        keys.add_metric([tenant], usage.keys)
+        quota.add_metric([tenant], usage.quota_bytes)
+        evictions.add_metric([tenant], usage.evictions)
+    families: tuple[GaugeMetricFamily | CounterMetricFamily, ...] = (used, keys, quota, evictions)
+    yield from families
 
 
 KEY_STATUS_NAMES = {pb.HIT: "hit", pb.MISS: "miss", pb.MODE_MISMATCH: "mode_mismatch"}
