@@ -50,12 +50,17 @@ RUN groupadd --gid 10001 kvtag \
 COPY --from=build /opt/kvtag /opt/kvtag
 # Inside the container the service listens on all interfaces of the container's own
 # network namespace, so that port publishing works; publish on the host's loopback
-# only (`-p 127.0.0.1:50051:50051`), see docs/deployment.md.
+# only (`-p 127.0.0.1:50051:50051`), see docs/deployment.md. The service cannot see
+# how the port is published, so without TLS and tokens it would refuse 0.0.0.0:
+# KVTAG_INSECURE=1 keeps the plain image working (with a logged warning). With
+# KVTAG_TLS_CERT/KVTAG_TLS_KEY/KVTAG_AUTH_TOKENS set (mounted files, docs/security.md)
+# the flag has no effect; set KVTAG_INSECURE=0 to make a missing one fatal.
 ENV PATH=/opt/kvtag/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     KVTAG_LISTEN=0.0.0.0:50051 \
-    KVTAG_METRICS_LISTEN=0.0.0.0:9464
+    KVTAG_METRICS_LISTEN=0.0.0.0:9464 \
+    KVTAG_INSECURE=1
 EXPOSE 50051 9464
 # Standard grpc.health.v1 Check against the port KVTAG_LISTEN names.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
