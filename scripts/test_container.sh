@@ -15,7 +15,7 @@ cleanup() {
   local ids networks
   ids=$(
     podman ps --all --quiet --filter "label=kvtag.test.run=$KVTAG_TEST_RUN_ID"
-    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded"; do
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure"; do
       podman ps --all --quiet --filter "label=io.podman.compose.project=$project"
     done
   )
@@ -25,7 +25,7 @@ cleanup() {
     podman rm --force --time 0 $ids >/dev/null || true
   fi
   networks=$(
-    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded"; do
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure"; do
       podman network ls --quiet --filter "label=io.podman.compose.project=$project"
     done
   )

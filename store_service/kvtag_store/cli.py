@@ -102,19 +102,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_client_security_arguments(parser: argparse.ArgumentParser) -> None:
-    """How diagnose, stats and health reach a store that has TLS and tokens (docs/security.md)."""
+    """How diagnose, stats and health reach a store that has TLS and tokens (docs/security.md). The
+    variables are KVTAG_CLIENT_*: in a container, KVTAG_TLS_CERT/KEY are the server's own pair."""
     for name, help_text in (
         ("--tls-ca", "PEM CA bundle that signed the store's certificate; enables TLS"),
         ("--tls-cert", "PEM client certificate, for a store that requires mutual TLS"),
         ("--tls-key", "private key of --tls-cert"),
+        ("--tls-server-name", "name the store's certificate carries, if not the --target host"),
         ("--token-file", "file holding the bearer token (else $KVTAG_TOKEN)"),
     ):
-        parser.add_argument(name, default=env_default(name, ""), help=f"{help_text} [env {env_name(name)}]")
+        env = env_name(name.replace("--", "--client-", 1)) if name.startswith("--tls") else env_name(name)
+        parser.add_argument(name, default=os.environ.get(env, ""), help=f"{help_text} [env {env}]")
 
 
 def client_security(args: argparse.Namespace) -> ChannelSecurity:
     return ChannelSecurity(
-        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token_file=args.token_file
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        token_file=args.token_file,
+        server_name=args.tls_server_name,
     )
 
 

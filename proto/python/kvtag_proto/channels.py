@@ -33,6 +33,9 @@ class ChannelSecurity:
     tls_cert: str = ""  # PEM client certificate, for a store that requires mutual TLS
     tls_key: str = ""  # its private key
     token_file: str = ""  # a file holding the bearer token (first line)
+    # The name the store's certificate must carry when it differs from the dialled host (a
+    # HEALTHCHECK dialling 127.0.0.1 a certificate issued for kvtag.internal).
+    server_name: str = ""
     use_env_token: bool = True  # fall back to $KVTAG_TOKEN when token_file is empty
 
     @property
@@ -138,6 +141,9 @@ def open_channel(
     """A channel to `target` with TLS when configured and the bearer token on every call when one is
     set. ChannelConfigError when a named file cannot be read."""
     security = security or ChannelSecurity()
+    options = list(options)
+    if security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
     env_token = os.environ.get(TOKEN_ENV, "") if security.use_env_token else ""
     source = TokenSource(security.token_file, env_token)
     if security.tls:
