@@ -53,8 +53,12 @@ def mooncake_backend(cluster: MooncakeCluster) -> Iterator[MooncakeBackend]:
 
 
 @pytest.fixture(scope="session")
-def mooncake_census(cluster: MooncakeCluster) -> MooncakeCensus:
-    return MooncakeCensus(connect(settings_for(cluster)), cluster.master_address)
+def mooncake_census(cluster: MooncakeCluster) -> Iterator[MooncakeCensus]:
+    client = connect(settings_for(cluster))
+    census = MooncakeCensus(client, cluster.master_address)
+    yield census
+    census.close()
+    client.close()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -228,6 +228,7 @@ class MooncakeBackend:
         self._headers = _HeaderReader(client)
         self._leases = _LeaseKeeper(client, settings.lease_ttl_ms)
         self._suspects = _SuspectProcesses()
+        self._closers: list[Callable[[], None]] = []
         self._capacity_seen: tuple[float, int | None] = (float("-inf"), None)
         self.errors = ErrorCounters()
         self._corrupted = 0
@@ -514,11 +515,13 @@ class MooncakeBackend:
         failure. The replica list then gives each value's size and storage
         process: reads go in chunks that fit the local buffer, and values held
         only by a process that failed a transfer moments ago are not read.
-        A dead process makes a call wait out Mooncake's ~1 s transfer timeout
-        whatever the number of keys, so one Get costs at most about one timeout:
-        a slow failure is never retried, and once one happened no new chunk
-        starts past _GET_DEADLINE_S. A fast failure (the buffer busy with
-        concurrent calls) is retried once.
+        A dead process makes a call fail at once (connection refused) or wait
+        out Mooncake's ~1 s transfer timeout, whatever the number of keys, so
+        one Get costs at most about one timeout: a slow failure is never
+        retried, and once one happened no new chunk starts past
+        _GET_DEADLINE_S. A fast failure (perhaps the buffer busy with
+        concurrent calls) is retried once; whatever still fails marks its
+        storage process suspect.
         """
         exists = self._client.batch_is_exist(mkeys)
         if any(code == _RPC_FAIL or code == -1 for code in exists):
@@ -545,8 +548,8 @@ class MooncakeBackend:
                 continue
             missing, slow = self._read_chunk(mkeys, chunk, values)
             if missing and not slow:
-                missing, slow = self._read_chunk(mkeys, missing, values)
-            if missing and slow:
+                missing, _ = self._read_chunk(mkeys, missing, values)
+            if missing:
                 self._suspects.mark(frozenset().union(*(where for _, _, where in missing)))
             failed += len(missing)
         if failed:
@@ -597,7 +600,13 @@ class MooncakeBackend:
             errors=self.errors.snapshot(),
         )
 
+    def close_first(self, close: Callable[[], None]) -> None:
+        """Run close before this backend closes the client (for the census keeper sharing it)."""
+        self._closers.append(close)
+
     def close(self) -> None:
+        for close in self._closers:
+            close()
         self._leases.close()
         self._headers.close()
         self._client.close()

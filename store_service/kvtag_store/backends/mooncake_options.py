@@ -115,4 +115,7 @@ def build(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
     except Exception:
         client.close()
         raise
-    return MooncakeBackend(client, settings), MooncakeCensus(client, settings.master)
+    backend = MooncakeBackend(client, settings)
+    census = MooncakeCensus(client, settings.master)
+    backend.close_first(census.close)
+    return backend, census
