@@ -27,6 +27,7 @@ from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
+from kvtag_client.shared_memory import ArenaMapping, UnusableOffer
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,26 @@ _REFUSAL_REASONS = frozenset({"MODE_REFUSED", "PROBE_DISAGREEMENT", "INVALID_DES
 # The store refused the token (absent, wrong, revoked) or its grant: an outage like any other (logged
 # once, retried in the background, so a rotated token file is picked up), but said plainly.
 _AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+_DATA_PATHS = ("auto", "inline")
+# A (group, key, length, base_key) item for a put whose bytes the caller writes (reserve / put_from).
+SizedItem = tuple[int, bytes, int, bytes]
+
+
+@dataclass
+class SharedPut:
+    """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
+    into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
+    (ALREADY_PRESENT, CONFLICT, REJECTED)."""
+
+    session_id: str
+    items: list[SizedItem]
+    statuses: list[int]
+    slots: list[memoryview | None]
+    refs: list[pb.SharedMemoryRef | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots if slot is not None)
 
 
 class StoreState(enum.Enum):
@@ -132,6 +153,7 @@ class StoreClient:
         block_bytes_hint: int = 0,
         min_transfer_bytes_per_s: float = 20e6,
         security: ChannelSecurity | None = None,
+        data_path: str = "auto",
     ) -> None:
         """Builds the channel and starts the heartbeat thread; does not contact the store (see open()).
 
@@ -139,7 +161,17 @@ class StoreClient:
         stretch the deadline of large puts and gets: rpc_timeout_s + bytes / rate.
         security: TLS files and the token file (default: plaintext, token from $KVTAG_TOKEN if set);
         a file that cannot be read raises kvtag_proto.channels.ChannelConfigError here.
+
+        data_path "auto" moves values through the store's shared-memory arena when the store offers it
+        and this process can map it (same host, shared /dev/shm), else inline in gRPC messages;
+        "inline" never uses shared memory. `data_path` (the property) says which one is in use.
         """
+        if data_path not in _DATA_PATHS:
+            raise ValueError(f"data_path must be one of {_DATA_PATHS}, got {data_path!r}")
+        self._data_path_choice = data_path
+        self._arena: ArenaMapping | None = None
+        self._shm_logged = False
+        self._releases: set[grpc.Future] = set()
         self.endpoint = endpoint
         self.engine_id = engine_id
         self.namespace = namespace
@@ -214,12 +246,15 @@ class StoreClient:
                     raise _CallFailed("refused")
                 if self.state is StoreState.CONNECTED and self.session_id != stale_session:
                     return self.session_id
+            paths = [pb.DATA_PATH_INLINE]
+            if self._data_path_choice == "auto":
+                paths.insert(0, pb.DATA_PATH_SHARED_MEMORY)
             request = pb.OpenSessionRequest(
                 engine_id=self.engine_id,
                 namespace=self.namespace,
                 mode=self.mode,
                 probe_keys=self.probe_keys,
-                data_paths=[pb.DATA_PATH_INLINE],
+                data_paths=paths,
                 labels=self.labels,
             )
             try:
@@ -239,6 +274,7 @@ class StoreClient:
                 if response.HasField("limits"):
                     self.limits = self._merged_limits(response.limits)
                 self.warnings = list(response.warnings)
+                self._arena = None
                 self.state = StoreState.CONNECTED
                 if reconnect:
                     self.counters.reconnects += 1
@@ -256,8 +292,63 @@ class StoreClient:
                     self.mode_id,
                 )
             self._log_warnings(response.warnings)
+            if self._data_path_choice == "auto":
+                self._attach(response, deadline)
             self._wake.set()  # the heartbeat period may have changed
             return response.session_id
+
+    def _attach(self, response: pb.OpenSessionResponse, deadline: _Deadline) -> None:
+        """Map the offered arena and prove it with its nonce; on any failure stay inline (logged once)."""
+        if not response.HasField("shared_memory_offer"):
+            self._inline_fallback(
+                "the store offers no shared-memory arena (another backend, or --shm-dir is off)"
+            )
+            return
+        offer = response.shared_memory_offer
+        try:
+            arena = ArenaMapping(offer)
+        except UnusableOffer as exc:
+            self._inline_fallback(f"{exc} (another host, or no shared /dev/shm)")
+            return
+        try:
+            attached: pb.AttachSharedMemoryResponse = self._stub.AttachSharedMemory(
+                pb.AttachSharedMemoryRequest(session_id=response.session_id, nonce=arena.nonce),
+                timeout=deadline.remaining(),
+            )
+        except (grpc.RpcError, _CallFailed) as exc:
+            self._inline_fallback(f"AttachSharedMemory failed: {exc}")
+            return
+        if attached.data_path != pb.DATA_PATH_SHARED_MEMORY:
+            self._inline_fallback(f"the store did not accept this mapping of {offer.path}")
+            return
+        with self._lock:
+            if self.session_id == response.session_id:
+                self._arena = arena
+        log.info("kvtag store %s: values move through shared memory (%s)", self.endpoint, offer.path)
+
+    def _inline_fallback(self, why: str) -> None:
+        with self._lock:
+            first, self._shm_logged = not self._shm_logged, True
+        if first:
+            log.warning(
+                "kvtag store %s: shared-memory path unavailable, using the inline path: %s",
+                self.endpoint,
+                why,
+            )
+
+    @property
+    def data_path(self) -> str:
+        """ "shared_memory" while values move through the store's arena, else "inline"."""
+        with self._lock:
+            return (
+                "shared_memory"
+                if self._arena is not None and self.state is StoreState.CONNECTED
+                else "inline"
+            )
+
+    def _shared_arena(self) -> ArenaMapping | None:
+        with self._lock:
+            return self._arena if self.state is StoreState.CONNECTED else None
 
     @staticmethod
     def _merged_limits(server: pb.Limits) -> pb.Limits:
@@ -553,6 +644,12 @@ class StoreClient:
         """
         if not items:
             return []
+        if self._shared_arena() is not None:
+
+            def copy(index: int, slot: memoryview) -> None:
+                slot[:] = items[index][2]
+
+            return self.put_from([(g, k, len(v), b) for g, k, v, b in items], copy)
         results: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
         with self._lock:
             connected = self.state is StoreState.CONNECTED
@@ -659,6 +756,15 @@ class StoreClient:
 
     def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[bytes | None]:
         """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded)."""
+        if blocks and self._shared_arena() is not None:
+            copies: list[bytes | None] = [None] * len(blocks)
+
+            def copy(index: int, slot: memoryview) -> bool:
+                copies[index] = bytes(slot)
+                return True
+
+            served = self.get_into(blocks, lease_id, copy)
+            return [value if ok else None for value, ok in zip(copies, served, strict=True)]
         values: list[bytes | None] = [None] * len(blocks)
         if not blocks:
             if lease_id:
@@ -703,6 +809,189 @@ class StoreClient:
         with self._lock:
             self.counters.get_failed += sum(1 for v in values if v is None)
         return values
+
+    # ---- zero-copy calls (the shared-memory path; inline otherwise) ----------------------
+
+    def put_from(
+        self, items: Sequence[SizedItem], fill: Callable[[int, memoryview], None]
+    ) -> list[int] | None:
+        """Store (group, key, length, base_key) items whose bytes `fill(index, destination)` writes
+        (exactly `length` bytes into the memoryview): straight into arena slots on the shared-memory
+        path, into a fresh buffer sent inline otherwise. Results as for put()."""
+        reservation = self.reserve(items)
+        if reservation is None:
+            if self._shared_arena() is not None or not items:
+                return None if items else []
+            buffers: list[bytes] = []
+            for index, (_, _, length, _) in enumerate(items):
+                buffer = bytearray(length)
+                fill(index, memoryview(buffer))
+                buffers.append(bytes(buffer))
+            return self.put([(g, k, buffers[n], b) for n, (g, k, _, b) in enumerate(items)])
+        for index, slot in enumerate(reservation.slots):
+            if slot is not None:
+                fill(index, slot)
+        return self.commit(reservation)
+
+    def reserve(self, items: Sequence[SizedItem]) -> SharedPut | None:
+        """Slots for a shared-memory put, or None when this session is not on the shared-memory path
+        (or the store failed: the items are then counted as dropped)."""
+        arena = self._shared_arena()
+        if arena is None or not items:
+            return None
+        statuses: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
+        slots: list[memoryview | None] = [None] * len(items)
+        refs: list[pb.SharedMemoryRef | None] = [None] * len(items)
+        sendable = [n for n, (_, key, _, _) in enumerate(items) if self._valid_key(key)]
+        for n in range(len(items)):
+            if not self._valid_key(items[n][1]):
+                statuses[n] = pb.REJECTED
+        deadline = _Deadline(self.rpc_timeout_s)
+        size = self._batch_size()
+        session_id = ""
+        try:
+            for start in range(0, len(sendable), size):
+                chunk = sendable[start : start + size]
+                request_items = [
+                    pb.SlotRequest(
+                        block=self._block_ref(items[n][0], items[n][1], items[n][3]), length=items[n][2]
+                    )
+                    for n in chunk
+                ]
+
+                def rpc(
+                    sid: str, timeout: float, request_items: list[pb.SlotRequest] = request_items
+                ) -> tuple[str, pb.ReserveSlotsResponse]:
+                    request = pb.ReserveSlotsRequest(session_id=sid, items=request_items)
+                    return sid, self._stub.ReserveSlots(request, timeout=timeout)
+
+                session_id, response = self._call(deadline, rpc)
+                for n, grant in zip(chunk, response.grants, strict=False):
+                    if grant.HasField("slot"):
+                        try:
+                            slots[n] = arena.slot(grant.slot)
+                        except ValueError:
+                            statuses[n] = pb.REJECTED
+                            continue
+                        refs[n] = grant.slot
+                    else:
+                        statuses[n] = grant.status
+        except _CallFailed:
+            with self._lock:
+                self.counters.put_dropped += len(items)
+            return None
+        return SharedPut(session_id, list(items), statuses, slots, refs)
+
+    def commit(self, reservation: SharedPut) -> list[int] | None:
+        """Make the written slots of a reservation visible; a PutStatus per item, or None when the
+        store could not be reached (the slots are freed when the session ends)."""
+        results = list(reservation.statuses)
+        chunk_size = self._batch_size()
+        pending = [n for n, ref in enumerate(reservation.refs) if ref is not None]
+        deadline = _Deadline(self.rpc_timeout_s)
+        sent_any = False
+        try:
+            for start in range(0, len(pending), chunk_size):
+                chunk = pending[start : start + chunk_size]
+                put_items = []
+                for n in chunk:
+                    group, key, _, base_key = reservation.items[n]
+                    put_items.append(
+                        pb.PutItem(
+                            block=self._block_ref(group, key, base_key), shared_memory=reservation.refs[n]
+                        )
+                    )
+
+                def rpc(sid: str, timeout: float, put_items: list[pb.PutItem] = put_items) -> list[int]:
+                    request = pb.PutRequest(session_id=sid, items=put_items)
+                    response: pb.PutResponse = self._stub.Put(request, timeout=timeout)
+                    return [r.status for r in response.results]
+
+                for n, status in zip(chunk, self._call(deadline, rpc), strict=False):
+                    results[n] = status
+                sent_any = True
+        except _CallFailed:
+            pass
+        with self._lock:
+            c = self.counters
+            c.put_stored += results.count(pb.STORED)
+            c.put_present += results.count(pb.ALREADY_PRESENT)
+            c.put_conflict += results.count(pb.CONFLICT)
+            c.put_rejected += results.count(pb.REJECTED)
+            c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
+        if pending and not sent_any and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
+            return None
+        return [int(r) for r in results]
+
+    def get_into(
+        self, blocks: Sequence[tuple[int, bytes]], lease_id: str, sink: Callable[[int, memoryview], bool]
+    ) -> list[bool]:
+        """Hand each served block's bytes to `sink(index, source)`, which copies them where they belong
+        and returns False to reject them (e.g. the wrong size); True per block whose copy stands.
+        On the shared-memory path `source` is the pinned arena slot, valid only during the call, and a
+        copy from a slot reused meanwhile is voided (False); inline it is the received value."""
+        arena = self._shared_arena()
+        if arena is None:
+            values = self.get(blocks, lease_id)
+            return [value is not None and sink(n, memoryview(value)) for n, value in enumerate(values)]
+        served = [False] * len(blocks)
+        if not blocks:
+            if lease_id:
+                self.release(lease_id)
+            return served
+        valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
+        size = self._batch_size()
+        chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
+        deadline = _Deadline(self.rpc_timeout_s)
+        try:
+            for c, chunk in enumerate(chunks):
+                last = c == len(chunks) - 1
+                refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
+
+                def rpc(
+                    sid: str, timeout: float, refs: list[pb.BlockRef] = refs, last: bool = last
+                ) -> pb.GetReferencesResponse:
+                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
+                    response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
+                    return response
+
+                response = self._call(deadline, rpc)
+                try:
+                    for n, result in zip(chunk, response.results, strict=False):
+                        if result.status != pb.HIT or not result.HasField("slot"):
+                            continue
+                        ref = result.slot
+                        try:
+                            source = arena.slot(ref)
+                        except ValueError:
+                            continue
+                        if arena.current(ref) and sink(n, source) and arena.current(ref):
+                            served[n] = True
+                finally:
+                    if response.lease.lease_id:
+                        self._release_soon(response.lease.lease_id)
+        except _CallFailed:
+            if lease_id:
+                self.release(lease_id)
+        with self._lock:
+            self.counters.get_failed += served.count(False)
+        return served
+
+    def _release_soon(self, lease_id: str) -> None:
+        """Release a read lease without waiting for the answer (it only unpins; leases also expire)."""
+        with self._lock:
+            session_id = self.session_id
+        future = self._stub.ReleaseLeases.future(
+            pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=[lease_id]), timeout=self.rpc_timeout_s
+        )
+        # A dropped grpc future cancels its call: keep it until done.
+        with self._lock:
+            self._releases.add(future)
+        future.add_done_callback(self._released)
+
+    def _released(self, future: grpc.Future) -> None:
+        with self._lock:
+            self._releases.discard(future)
 
     def release(self, lease_id: str) -> None:
         """Release a lookup lease early (best effort; leases also expire on their own)."""

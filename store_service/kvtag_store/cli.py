@@ -132,7 +132,10 @@ def _build_backend(
         if security.tenant_quotas:
             raise ValueError("--tenant-quota applies to the memory backend only (docs/security.md)")
         return mooncake_options.build(args)
-    return MemoryBackend(parse_size(str(args.capacity)), security.tenant_quotas), MemoryCensus()
+    return (
+        MemoryBackend(parse_size(str(args.capacity)), security.tenant_quotas, shm_dir=args.shm_dir or None),
+        MemoryCensus(),
+    )
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -135,6 +135,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag("--policy", policy_name(CONFIG.default_policy), "default namespace policy: isolate or strict")
     flag("--metrics-listen", SERVE.metrics_listen, "Prometheus metrics HOST:PORT; empty disables")
+    flag(
+        "--shm-dir",
+        "/dev/shm",
+        "directory of the memory backend's shared-memory arenas, which same-host clients map; "
+        "empty keeps values in process memory (inline path only)",
+    )
     flag("--backend", "memory", "storage backend: memory or mooncake", choices=["memory", "mooncake"])
     flag("--session-ttl-ms", str(CONFIG.session_ttl_ms), "a session expires this long after its last call")
     flag("--lease-ms", str(CONFIG.default_lease_ms), "default read lease for Lookup hits")

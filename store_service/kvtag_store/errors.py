@@ -73,6 +73,15 @@ def invalid_request(message: str, field: str) -> ApiError:
     )
 
 
+def data_path_not_negotiated(rpc: str) -> ApiError:
+    return _error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.DATA_PATH_NOT_NEGOTIATED,
+        f"{rpc} needs the shared-memory data path, and this session uses DATA_PATH_INLINE; attach "
+        "the arena first (AttachSharedMemory) or use the inline calls",
+    )
+
+
 def invalid_descriptor(violations: Sequence[tuple[str, str]]) -> ApiError:
     fields = ", ".join(f for f, _ in violations)
     return _error(

@@ -66,6 +66,8 @@ GET_STATS = _control("GetStatsRequest")
 LOOKUP = Intake("LookupRequest", "blocks", _lookup_estimate, wire.parse_lookup)
 PUT = Intake("PutRequest", "items", wire.count_items, wire.parse_put)
 GET = Intake("GetRequest", "blocks", wire.count_items, _generated(pb.GetRequest))
+ATTACH_SHARED_MEMORY = _control("AttachSharedMemoryRequest")
+RESERVE_SLOTS = Intake("ReserveSlotsRequest", "items", wire.count_items, _generated(pb.ReserveSlotsRequest))
 RELEASE_LEASES = Intake(
     "ReleaseLeasesRequest", "lease_ids", wire.count_items, _generated(pb.ReleaseLeasesRequest)
 )

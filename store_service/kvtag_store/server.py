@@ -62,6 +62,9 @@ def kvstore_handlers(service: KvStoreService) -> grpc.GenericRpcHandler:
         "Get": unary(service.Get),
         "GetStream": grpc.unary_stream_rpc_method_handler(service.GetStream, response_serializer=out),
         "ReleaseLeases": unary(service.ReleaseLeases),
+        "AttachSharedMemory": unary(service.AttachSharedMemory),
+        "ReserveSlots": unary(service.ReserveSlots),
+        "GetReferences": unary(service.GetReferences),
         "Diagnose": unary(service.Diagnose),
         "GetStats": unary(service.GetStats),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from kvtag.v1 import store_pb2_grpc
 from kvtag_store import errors, intake, logs, tenant_stats, validation, wire
 from kvtag_store.access import Access
 from kvtag_store.admission import COPIES, Admission
+from kvtag_store.arena import NONCE_LENGTH, NONCE_OFFSET, Arena
 from kvtag_store.auth import Principal, TokenRegistry
 from kvtag_store.backends.base import (
     BackendUnavailable,
@@ -31,6 +33,7 @@ from kvtag_store.backends.base import (
     PutResult,
     ReadResult,
 )
+from kvtag_store.backends.memory import MemoryBackend
 from kvtag_store.census import Census
 from kvtag_store.config import ServiceConfig
 from kvtag_store.crossmode import BaseKeyIndex
@@ -57,6 +60,11 @@ _SHM_REFUSED = PutResult(
     "data path not negotiated: this session uses DATA_PATH_INLINE; send the bytes in `value`",
 )
 _NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
+_NOT_RESERVED = PutResult(
+    PutOutcome.REJECTED,
+    "no such reservation: the slot was not reserved by this session (ReserveSlots), was already "
+    "committed, or names another segment; reserve again",
+)
 
 R = TypeVar("R")
 _GROUP_KEY = attrgetter("group", "key")
@@ -107,6 +115,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     ) -> None:
         self.backend = backend
         self.access = access or Access(TokenRegistry.disabled())
+        # The backend that keeps values in arenas: only it offers the shared-memory path.
+        self.arenas = backend if isinstance(backend, MemoryBackend) else None
         self.config = config
         self.limits = config.limits
         self.metrics = metrics
@@ -143,6 +153,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def reap(self) -> None:
         dead, unpins = self.sessions.expire()
         for session in dead:
+            self._cancel_reservations(session)
             self.census.left(session)
             self.metrics.sessions_expired.inc()
             log.info(
@@ -150,6 +161,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
                 extra={"session_id": session.session_id, "engine_id": session.engine_id},
             )
         self._unpin(unpins)
+
+    def _cancel_reservations(self, session: Session) -> None:
+        generations = self.sessions.drain_reservations(session)
+        if generations and self.arenas is not None:
+            self.arenas.cancel(generations)
 
     def _unpin(self, unpins: Iterable[Unpin]) -> None:
         for namespace_id, addresses in unpins:
@@ -208,6 +224,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         assign_tenant = getattr(self.backend, "assign_tenant", None)
         if assign_tenant is not None:
             assign_tenant(admission.namespace_id, tenant)
+        offer = (
+            self._shared_memory_offer(admission.namespace_id)
+            if pb.DATA_PATH_SHARED_MEMORY in request.data_paths
+            else None
+        )
         self.census.joined(session, request.mode)
         log.info(
             "session opened",
@@ -229,7 +250,84 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             session_ttl_ms=self.config.session_ttl_ms,
             data_path=pb.DATA_PATH_INLINE,
             limits=self.limits_message(),
+            shared_memory_offer=offer,
         )
+
+    def _shared_arena(self, namespace_id: str) -> Arena | None:
+        return self.arenas.shared_arena(namespace_id) if self.arenas is not None else None
+
+    def _shared_memory_offer(self, namespace_id: str) -> pb.SharedMemoryOffer | None:
+        """The namespace's tenant arena, when the backend keeps values in shared memory."""
+        arena = self._shared_arena(namespace_id)
+        if arena is None:
+            return None
+        return pb.SharedMemoryOffer(
+            segment=arena.segment,
+            path=arena.path or "",
+            size_bytes=arena.size,
+            nonce_offset=NONCE_OFFSET,
+            nonce_length=NONCE_LENGTH,
+        )
+
+    @rpc(intake.ATTACH_SHARED_MEMORY)
+    def AttachSharedMemory(
+        self, request: pb.AttachSharedMemoryRequest, context: grpc.ServicerContext
+    ) -> pb.AttachSharedMemoryResponse:
+        """The client read the arena's nonce through its own mapping, so it can map the segment."""
+        session = self._session(request.session_id, context, "AttachSharedMemory")
+        arena = self._shared_arena(session.namespace_id)
+        if arena is None or not secrets.compare_digest(request.nonce, arena.nonce):
+            log.info(
+                "shared-memory attach refused: %s",
+                "no shared-memory arena" if arena is None else "wrong nonce",
+                extra={"session_id": session.session_id, "engine_id": session.engine_id},
+            )
+            return pb.AttachSharedMemoryResponse(data_path=pb.DATA_PATH_INLINE)
+        session.shared_memory = True
+        log.info(
+            "session attached the shared-memory arena",
+            extra={
+                "session_id": session.session_id,
+                "engine_id": session.engine_id,
+                "segment": arena.segment,
+            },
+        )
+        return pb.AttachSharedMemoryResponse(data_path=pb.DATA_PATH_SHARED_MEMORY)
+
+    @rpc(intake.RESERVE_SLOTS)
+    def ReserveSlots(
+        self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveSlotsResponse:
+        session = self._session(request.session_id, context, "ReserveSlots")
+        validation.batch_size("items", len(request.items), self.limits)
+        for index, item in enumerate(request.items):
+            validation.key(item.block.key, f"items[{index}].block.key", self.limits)
+        response = pb.ReserveSlotsResponse()
+        if not session.shared_memory or self.arenas is None:
+            response.grants.extend(
+                pb.SlotGrant(status=pb.REJECTED, reason=_SHM_REFUSED.reason) for _ in request.items
+            )
+            return response
+        addresses: list[BlockAddress] = [(i.block.group, BlockKey(i.block.key)) for i in request.items]
+        granted = self.arenas.reserve(
+            session.namespace_id,
+            session.mode_id,
+            list(zip(addresses, [i.length for i in request.items], strict=True)),
+        )
+        self.sessions.add_reservations(
+            session, [g.generation for g in granted if not isinstance(g, PutResult)]
+        )
+        grants = response.grants
+        for grant in granted:
+            if isinstance(grant, PutResult):
+                grants.add(status=grant.outcome, reason=grant.reason)
+            else:
+                slot = grants.add().slot
+                slot.segment = grant.segment
+                slot.offset = grant.offset
+                slot.length = grant.length
+                slot.generation = grant.generation
+        return response
 
     @rpc(intake.HEARTBEAT)
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -246,6 +344,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         )
         self._unpin(unpins)
         if session is not None:
+            self._cancel_reservations(session)
             self.census.left(session)
             log.info(
                 "session closed", extra={"session_id": session.session_id, "engine_id": session.engine_id}
@@ -326,6 +425,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         outcomes: list[PutResult | None] = [None] * len(items)
         batch: list[tuple[BlockAddress, bytes]] = []
         batch_index: list[int] = []
+        commits: list[tuple[BlockAddress, int, int, int]] = []
+        commit_index: list[int] = []
         for index, item in enumerate(items):
             payload = item.payload
             if payload == "value" and len(item.value) > self.max_value_bytes:
@@ -333,10 +434,20 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             elif payload == "value":
                 batch.append(((item.group, BlockKey(item.key)), item.value))
                 batch_index.append(index)
+            elif payload == "shared_memory" and session.shared_memory and item.shared_memory is not None:
+                ref = item.shared_memory
+                commits.append(((item.group, BlockKey(item.key)), ref.offset, ref.length, ref.generation))
+                commit_index.append(index)
             elif payload == "shared_memory":
                 outcomes[index] = _SHM_REFUSED
             else:
                 outcomes[index] = _NO_PAYLOAD
+        if commits:
+            held = self.sessions.take_reservations(session, [c[3] for c in commits])
+            claimed = [c for c, ok in zip(commits, held, strict=True) if ok]
+            committed = iter(self.arenas.commit(ns_id, mode_id, claimed) if claimed and self.arenas else [])
+            for index, ok in zip(commit_index, held, strict=True):
+                outcomes[index] = next(committed) if ok else _NOT_RESERVED
         if batch:
             stored = self.backend.put_many(ns_id, mode_id, batch)
             if len(stored) != len(batch):
@@ -351,7 +462,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             outcome = result.outcome
             counts[outcome] += 1
             if outcome is PutOutcome.STORED:
-                stored_bytes += len(item.value)
+                stored_bytes += (
+                    item.shared_memory.length if item.shared_memory is not None else len(item.value)
+                )
             if item.base_key and outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
                 base_keys.append((item.group, item.base_key))
             results.append(pb.PutResult(status=outcome, reason=result.reason))  # type: ignore[arg-type]
@@ -452,6 +565,43 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             reply = wire.encode_get_results(results)
         self.metrics.get_bytes.inc(served)
         return reply
+
+    @rpc(intake.GET)
+    def GetReferences(
+        self, request: pb.GetRequest, context: grpc.ServicerContext
+    ) -> pb.GetReferencesResponse:
+        """Shared-memory Get: references to pinned, verified slots under a lease the client releases."""
+        session = self._session(request.session_id, context, "GetReferences")
+        if not session.shared_memory or self.arenas is None:
+            raise errors.data_path_not_negotiated("GetReferences")
+        addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
+        ns_id = session.namespace_id
+        statuses, references, pinned = self.arenas.get_references(ns_id, session.mode_id, addresses)
+        if request.lease_id:
+            self._unpin(self.sessions.release(session, [request.lease_id]))
+        response = pb.GetReferencesResponse()
+        results = response.results
+        served = 0
+        for status, reference in zip(statuses, references, strict=True):
+            result = results.add(status=status)
+            if reference is not None:
+                slot = result.slot
+                slot.segment = reference.segment
+                slot.offset = reference.offset
+                slot.length = reference.length
+                slot.generation = reference.generation
+                served += reference.length
+        if pinned:
+            lease_ms = self.config.default_lease_ms
+            response.lease.lease_id = self.sessions.add_lease(session, ns_id, pinned, lease_ms)
+            response.lease.expires_in_ms = lease_ms
+        hits = statuses.count(_HIT)
+        mismatches = statuses.count(_MISMATCH)
+        misses = len(statuses) - hits - mismatches
+        self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
+        self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
+        self.metrics.get_bytes.inc(served)
+        return response
 
     def GetStream(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Yields encoded GetResponse messages of at most ~4 MiB each, results in request order."""

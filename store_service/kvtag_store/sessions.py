@@ -33,6 +33,11 @@ class Session:
     leases: set[str] = field(default_factory=set)
     # The namespace's tenant: every call naming the session is checked against the caller's token.
     tenant: str = ""
+    # Shared-memory slot reservations (their generations) not yet committed; cancelled when the
+    # session ends, so a client that dies mid-Put leaks no slot.
+    reservations: set[int] = field(default_factory=set)
+    # True once AttachSharedMemory proved the client mapped the tenant's arena.
+    shared_memory: bool = False
 
 
 @dataclass
@@ -144,6 +149,28 @@ class SessionTable:
                 owner.leases.discard(lease_id)
             unpins.append((lease.namespace_id, lease.addresses))
         return unpins
+
+    def add_reservations(self, session: Session, generations: Sequence[int]) -> None:
+        with self._lock:
+            session.reservations.update(generations)
+
+    def take_reservations(self, session: Session, generations: Sequence[int]) -> list[bool]:
+        """Remove the given reservations from the session; True for each that it held (so exactly one
+        commit can claim a reservation, and a session never commits another's)."""
+        with self._lock:
+            held = session.reservations
+            taken: list[bool] = []
+            for generation in generations:
+                taken.append(generation in held)
+                held.discard(generation)
+            return taken
+
+    def drain_reservations(self, session: Session) -> list[int]:
+        """The ended session's uncommitted reservations, emptied (to cancel in the backend)."""
+        with self._lock:
+            generations = list(session.reservations)
+            session.reservations.clear()
+            return generations
 
     def expire(self) -> tuple[list[Session], list[Unpin]]:
         """Remove expired sessions (with their leases) and expired leases; return what to report and unpin."""

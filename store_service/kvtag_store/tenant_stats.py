@@ -56,6 +56,7 @@ def stats_response(stats: BackendStats, tenants: dict[str, str], caller: Princip
             evictions=stats.evictions,
             leased_keys=stats.leased_keys,
             corrupted_dropped=stats.corrupted_dropped,
+            reserved_bytes=stats.reserved_bytes,
             namespaces=namespace_rows,
             tenants=tenant_rows,
         )

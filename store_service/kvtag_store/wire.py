@@ -173,6 +173,8 @@ class PutItemView:
     # "value", "shared_memory" or None, like PutItem.WhichOneof("payload").
     payload: str | None
     value: bytes
+    # The slot reference of a shared-memory commit (payload "shared_memory").
+    shared_memory: pb.SharedMemoryRef | None = None
 
 
 @dataclass(slots=True)
@@ -199,6 +201,7 @@ def put_from_message(message: pb.PutRequest) -> PutBatch:
             base_key=item.block.base_key,
             payload=item.WhichOneof("payload"),
             value=item.value,
+            shared_memory=item.shared_memory if item.HasField("shared_memory") else None,
         )
         for item in message.items
     ]
@@ -252,10 +255,12 @@ def _parse_put_item(view: memoryview, pos: int, end: int) -> PutItemView:
                 seen_block = True
                 _parse_block(view, pos, pos + length, item)
             elif field == 2:
-                item.payload, item.value = "value", bytes(view[pos : pos + length])
+                item.payload, item.value, item.shared_memory = "value", bytes(view[pos : pos + length]), None
             else:
-                pb.SharedMemoryRef.FromString(bytes(view[pos : pos + length]))  # validates like upb
-                item.payload, item.value = "shared_memory", b""
+                if item.shared_memory is not None:  # sub-messages merge; leave that to the generated parser
+                    raise _Irregular
+                ref = pb.SharedMemoryRef.FromString(bytes(view[pos : pos + length]))  # validates like upb
+                item.payload, item.value, item.shared_memory = "shared_memory", b"", ref
             pos += length
         else:
             pos = _skip(view, pos, wire_type)

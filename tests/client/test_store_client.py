@@ -243,7 +243,7 @@ def test_large_put_and_get_are_split_by_server_limits(
     start_store: StoreFactory, make_client: ClientFactory
 ) -> None:
     store = start_store("--max-message-bytes", "1MiB", "--max-batch-items", "8")
-    client = make_client(store.endpoint)
+    client = make_client(store.endpoint, data_path="inline")  # message limits bind the inline path only
     assert client.open()
     assert (client.limits.max_message_bytes, client.limits.max_batch_items) == (1 << 20, 8)
     tokens = list(range(16 * 40))

@@ -8,7 +8,7 @@ import pytest
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus
 from kvtag_store.backends.memory import MemoryBackend, checksum
 
-from .faults import corrupt_memory_value
+from .faults import corrupt_memory_value, flip_memory_bit
 
 
 def a(name: str) -> BlockAddress:
@@ -16,10 +16,7 @@ def a(name: str) -> BlockAddress:
 
 
 def _flip(backend: MemoryBackend, address: BlockAddress, position: int) -> None:
-    entry = backend._namespaces["ns"].entries[address]
-    damaged = bytearray(entry.value)
-    damaged[position] ^= 0x80
-    entry.value = bytes(damaged)
+    flip_memory_bit(backend, "ns", address, position)
 
 
 @pytest.mark.parametrize("position", [0, 1, (1 << 20) - 1, 1 << 19])

@@ -76,6 +76,8 @@ class BackendStats:
     per_tenant: dict[str, TenantUsage] = field(default_factory=dict)
     # Bytes shared by the tenants without a quota (capacity minus the quotas).
     shared_pool_bytes: int = 0
+    # Shared-memory slots reserved and not yet committed (memory backend).
+    reserved_bytes: int = 0
 
 
 class BackendUnavailable(Exception):

@@ -1,8 +1,15 @@
-"""The embedded default backend: tagged values in process memory, LRU-evicted, checksummed.
+"""The embedded default backend: tagged values in arena slots, LRU-evicted, checksummed.
 
 What counts as used bytes: the length of each stored value, exactly. Keys,
-tags, checksums and index overhead are not counted (they are small and
-bounded by the key count).
+tags, checksums, slot headers and index overhead are not counted (they are
+small and bounded by the key count). Slots reserved for a shared-memory Put
+and not yet committed count against the capacity too (`reserved_bytes`), so
+committed plus reserved never exceeds it.
+
+Values live in arenas (kvtag_store.arena), one per tenant: shared-memory files
+a same-host client maps when the service has a directory for them (--shm-dir),
+anonymous memory otherwise. Either way a value is written into a slot, checksummed,
+and inserted under the lock only once complete, so no reader ever sees half a value.
 
 Tenant quotas (--tenant-quota) split the capacity into pools: each tenant with
 a quota gets a pool of that size, and the tenants without one share the rest.
@@ -12,14 +19,17 @@ blocks, and no tenant can ever evict another pool's blocks.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
 
 import xxhash
 
+from kvtag_store.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
     BackendStats,
     BlockAddress,
@@ -31,12 +41,19 @@ from kvtag_store.backends.base import (
     TenantUsage,
 )
 
+log = logging.getLogger("kvtag_store.backends.memory")
+
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
 _MISMATCH = KeyStatus.MODE_MISMATCH
 # Results without a reason are immutable and shared: no allocation per stored item.
 _STORED = PutResult(PutOutcome.STORED)
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+_NO_RESERVATION = PutResult(
+    PutOutcome.REJECTED,
+    "no such reservation: the slot was not reserved by this session for this block, was already "
+    "committed, or its session expired; reserve again (ReserveSlots)",
+)
 # Items stored per lock acquisition in put_many: about a millisecond of lock hold.
 _PUT_CHUNK = 1024
 
@@ -55,27 +72,36 @@ checksum = xxhash.xxh3_64_intdigest
 class _Entry:
     """One stored block. A slotted class, not a dataclass: millions may exist."""
 
-    __slots__ = ("checksum", "mode_id", "value")
+    __slots__ = ("arena", "checksum", "mode_id", "slot")
 
-    def __init__(self, mode_id: str, value: bytes, digest: int) -> None:
+    def __init__(self, mode_id: str, arena: Arena, slot: Slot, digest: int) -> None:
         self.mode_id = mode_id
-        self.value = value
+        self.arena = arena
+        self.slot = slot
         self.checksum = digest
 
+    def view(self) -> memoryview:
+        """The value's bytes in the arena: valid while the entry is pinned or the lock is held."""
+        return self.arena.view[self.slot.offset : self.slot.offset + self.slot.length]
 
-_VALUE = attrgetter("value")
-_CHECKSUM = attrgetter("checksum")
+
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    namespace_id: str
+    address: BlockAddress
+    slot: Slot
 
 
 class _Pool:
     """Bytes shared by some namespaces (one quota tenant's, or all the others') and their LRU order."""
 
-    __slots__ = ("capacity", "lru", "tenant", "used")
+    __slots__ = ("capacity", "lru", "reserved", "tenant", "used")
 
     def __init__(self, capacity: int, tenant: str | None) -> None:
         self.capacity = capacity
         self.tenant = tenant  # None: the shared pool
         self.used = 0
+        self.reserved = 0  # bytes of slots reserved and not yet inserted
         # Every block of the pool, least recently used first (pinned ones too: eviction skips them).
         self.lru: OrderedDict[_StoreKey, None] = OrderedDict()
 
@@ -93,7 +119,7 @@ class _Pool:
     def full_of_leases(self, leased: int) -> str:
         where, knob = ("store", "--capacity") if self.tenant is None else ("tenant quota", "--tenant-quota")
         return (
-            f"{where} full of leased blocks: {leased} of {self.capacity} bytes are leased; "
+            f"{where} full of leased blocks: {leased} of {self.capacity} bytes are leased or being written; "
             f"release leases (Get with lease_id, ReleaseLeases) or raise {knob}"
         )
 
@@ -101,31 +127,50 @@ class _Pool:
 class _Namespace:
     """The blocks of one namespace, indexed by address and, for reads, by (mode, address)."""
 
-    __slots__ = ("by_mode", "entries", "pins", "pool", "tenant", "used_bytes")
+    __slots__ = ("arena", "by_mode", "entries", "pins", "pool", "tenant", "used_bytes")
 
-    def __init__(self, pool: _Pool, tenant: str | None) -> None:
+    def __init__(self, pool: _Pool, tenant: str | None, arena: Arena) -> None:
         self.pool = pool
         self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
+        self.arena = arena
         self.entries: dict[BlockAddress, _Entry] = {}
         # mode_id -> address -> entry: a read in mode M is one C-level dict lookup per key.
         self.by_mode: dict[str, dict[BlockAddress, _Entry]] = {}
-        # Read leases: pin count per address (Counter.update over the caller's tuples runs in C).
+        # Read leases and reads in progress: pin count per address (Counter.update runs in C).
         self.pins: Counter[BlockAddress] = Counter()
         self.used_bytes = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SlotReference:
+    """A pinned slot handed to a shared-memory reader (see get_references)."""
+
+    segment: str
+    offset: int
+    length: int
+    generation: int
+
+
 class MemoryBackend:
-    """A BlockBackend in process memory.
+    """A BlockBackend in arena memory.
 
     Hot paths work on whole batches with C-level iteration (map, zip, Counter,
     OrderedDict.move_to_end) instead of a Python loop per key, because a
-    4,096-key Lookup must stay around a millisecond. One lock guards the index;
-    checksums run outside it.
+    4,096-key Lookup must stay around a millisecond. One lock guards the index
+    and the arenas' slot tables; value copies and checksums run outside it, on
+    slots that are reserved (writes) or pinned (reads).
     """
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, tenant_quotas: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        tenant_quotas: Mapping[str, int] | None = None,
+        shm_dir: str | None = None,
+    ) -> None:
+        """`shm_dir` (e.g. /dev/shm): where tenant arenas are created as files same-host clients may map;
+        None keeps values in anonymous memory (inline path only)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         quotas = dict(tenant_quotas or {})
@@ -135,8 +180,14 @@ class MemoryBackend:
                 f"{capacity_bytes}; lower them or raise --capacity"
             )
         self._capacity = capacity_bytes
+        self._shm_dir = shm_dir
+        if shm_dir is not None:
+            remove_orphans(shm_dir)
         self._lock = threading.Lock()
         self._namespaces: dict[str, _Namespace] = {}
+        self._arenas: dict[str, Arena] = {}  # tenant -> arena
+        self._generations = itertools.count(1)
+        self._reservations: dict[int, _Reservation] = {}  # slot generation -> reservation
         self._shared = _Pool(capacity_bytes - sum(quotas.values()), None)
         self._tenant_pools = {tenant: _Pool(quota, tenant) for tenant, quota in quotas.items()}
         self._pools = [self._shared, *self._tenant_pools.values()]
@@ -147,31 +198,70 @@ class MemoryBackend:
     def max_value_bytes(self) -> int:
         return self._capacity
 
+    # -- arenas ---------------------------------------------------------------
+
     def assign_tenant(self, namespace_id: str, tenant: str) -> None:
         """Record the namespace's tenant (the service calls this at OpenSession, before any put), so its
-        blocks live in that tenant's pool. Blocks stored before the call move there."""
+        blocks live in that tenant's pool and arena. Blocks stored before the call move to the pool;
+        they stay in the arena they were written to (only a direct backend caller stores before)."""
         pool = self._tenant_pools.get(tenant, self._shared)
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
-                self._namespaces[namespace_id] = _Namespace(pool, tenant)
+                self._namespaces[namespace_id] = _Namespace(pool, tenant, self._arena(tenant))
                 return
             ns.tenant = tenant
+            if not ns.entries:
+                ns.arena = self._arena(tenant)
             if ns.pool is pool:
                 return
             old = ns.pool
             for address, entry in ns.entries.items():
                 del old.lru[(namespace_id, address)]
                 pool.lru[(namespace_id, address)] = None
-                old.used -= len(entry.value)
-                pool.used += len(entry.value)
+                old.used -= entry.slot.length
+                pool.used += entry.slot.length
             ns.pool = pool
 
-    def _namespace(self, namespace_id: str) -> _Namespace:
-        """The namespace; created in the shared pool if no session named its tenant. Caller holds the lock."""
+    def shared_arena(self, namespace_id: str) -> Arena | None:
+        """The shared-memory arena holding the namespace's values, or None (anonymous memory)."""
+        with self._lock:
+            arena = self._ns(namespace_id).arena
+        return arena if arena.shared else None
+
+    def _arena(self, tenant: str) -> Arena:
+        """The tenant's arena, created on first use. Caller holds the lock."""
+        arena = self._arenas.get(tenant)
+        if arena is not None:
+            return arena
+        size = arena_size(self._capacity)
+        if self._shm_dir is not None:
+            try:
+                free = shared_memory_room(self._shm_dir)
+                if free < self._capacity + (16 << 20):
+                    raise OSError(
+                        f"it has {free} bytes free and the store's capacity is {self._capacity} bytes "
+                        "(give the container a larger /dev/shm, e.g. --shm-size, or lower --capacity)"
+                    )
+                arena = Arena(tenant, size, self._shm_dir)
+            except OSError as exc:
+                log.warning(
+                    "cannot create a shared-memory arena in %s (%s); values stay in process memory and "
+                    "clients use the inline path",
+                    self._shm_dir,
+                    exc,
+                )
+        if arena is None:
+            arena = Arena(tenant, size, None)
+        self._arenas[tenant] = arena
+        return arena
+
+    def _ns(self, namespace_id: str) -> _Namespace:
+        """The namespace; created in the shared pool and arena if no session named its tenant. Caller
+        holds the lock."""
         ns = self._namespaces.get(namespace_id)
         if ns is None:
-            ns = self._namespaces[namespace_id] = _Namespace(self._shared, None)
+            ns = self._namespaces[namespace_id] = _Namespace(self._shared, None, self._arena(""))
         return ns
 
     # -- writes -------------------------------------------------------------
@@ -182,33 +272,100 @@ class MemoryBackend:
     def put_many(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
     ) -> list[PutResult]:
-        """Checksums first, outside the lock (the checksum releases the GIL); then the items in order under
-        one lock acquisition per _PUT_CHUNK items (so a huge batch does not stall Lookups for long);
-        a repeated address sees the earlier item."""
+        """Checksums first, outside the lock (the checksum releases the GIL). Then per _PUT_CHUNK items:
+        slots under the lock, copies into them outside it, inserts under the lock again (so a huge
+        batch does not stall Lookups for long); a repeated address sees the earlier item."""
         digests = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
         results: list[PutResult] = []
         for start in range(0, len(items), _PUT_CHUNK):
+            chunk = items[start : start + _PUT_CHUNK]
             with self._lock:
-                ns = self._namespace(namespace_id)
+                ns = self._ns(namespace_id)
+                granted = [self._reserve_locked(namespace_id, ns, mode_id, a, len(v)) for a, v in chunk]
+            view = ns.arena.view
+            for (_, value), grant in zip(chunk, granted, strict=True):
+                if isinstance(grant, Slot):
+                    view[grant.offset : grant.offset + grant.length] = value
+            with self._lock:
                 results.extend(
-                    self._put_locked(namespace_id, ns, mode_id, address, value, digest)
-                    for (address, value), digest in zip(
-                        items[start : start + _PUT_CHUNK], digests[start : start + _PUT_CHUNK], strict=True
+                    self._insert_locked(namespace_id, ns, mode_id, address, grant, digest)
+                    if isinstance(grant, Slot)
+                    else grant
+                    for (address, _), grant, digest in zip(
+                        chunk, granted, digests[start : start + _PUT_CHUNK], strict=True
                     )
                 )
         return results
 
-    def _put_locked(
-        self,
-        namespace_id: str,
-        ns: _Namespace,
-        mode_id: str,
-        address: BlockAddress,
-        value: bytes,
-        digest: int,
-    ) -> PutResult:
-        """One item of put_many. Caller holds the lock."""
-        size = len(value)
+    def reserve(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
+    ) -> list[SlotReference | PutResult]:
+        """Shared-memory Put, step 1: a slot per item, or the outcome already known (ALREADY_PRESENT,
+        CONFLICT, REJECTED). Slots stay reserved until commit() or cancel()."""
+        out: list[SlotReference | PutResult] = []
+        with self._lock:
+            ns = self._ns(namespace_id)
+            segment = ns.arena.segment
+            for address, length in items:
+                grant = self._reserve_locked(namespace_id, ns, mode_id, address, length)
+                if isinstance(grant, Slot):
+                    self._reservations[grant.generation] = _Reservation(namespace_id, address, grant)
+                    out.append(SlotReference(segment, grant.offset, grant.length, grant.generation))
+                else:
+                    out.append(grant)
+        return out
+
+    def commit(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int, int, int]]
+    ) -> list[PutResult]:
+        """Shared-memory Put, step 2: (address, offset, length, generation) of reserved slots the client
+        wrote. Each value is checksummed now and becomes visible only by its insert."""
+        with self._lock:
+            taken: list[_Reservation | None] = []
+            for address, offset, length, generation in items:
+                reservation = self._reservations.get(generation)
+                if (
+                    reservation is None
+                    or reservation.namespace_id != namespace_id
+                    or reservation.address != address
+                    or reservation.slot.offset != offset
+                    or reservation.slot.length != length
+                ):
+                    taken.append(None)
+                    continue
+                del self._reservations[generation]
+                taken.append(reservation)
+            ns = self._ns(namespace_id)
+        view = ns.arena.view
+        digests = [
+            checksum(view[r.slot.offset : r.slot.offset + r.slot.length]) if r is not None else 0
+            for r in taken
+        ]
+        with self._lock:
+            return [
+                self._insert_locked(namespace_id, ns, mode_id, r.address, r.slot, digest)
+                if r is not None
+                else _NO_RESERVATION
+                for r, digest in zip(taken, digests, strict=True)
+            ]
+
+    def cancel(self, generations: Iterable[int]) -> None:
+        """Free reserved slots that were never committed (their session ended). Unknown ones are ignored."""
+        with self._lock:
+            for generation in generations:
+                reservation = self._reservations.pop(generation, None)
+                if reservation is None:
+                    continue
+                ns = self._namespaces.get(reservation.namespace_id)
+                if ns is not None:
+                    ns.arena.free(reservation.slot)
+                    ns.pool.reserved -= reservation.slot.length
+
+    def _reserve_locked(
+        self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, size: int
+    ) -> Slot | PutResult:
+        """The known outcome of storing `size` bytes at `address`, or a slot for them (counted in
+        reserved bytes until inserted or cancelled). Caller holds the lock."""
         pool = ns.pool
         if size > pool.capacity:
             return PutResult(PutOutcome.REJECTED, pool.too_large(size))
@@ -218,29 +375,54 @@ class MemoryBackend:
                 return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
             pool.lru.move_to_end((namespace_id, address))
             return _ALREADY_PRESENT
-        if pool.used + size > pool.capacity and not self._make_room(pool, size):
+        if pool.used + pool.reserved + size > pool.capacity and not self._make_room(pool, size):
             return PutResult(PutOutcome.REJECTED, pool.full_of_leases(self._pinned_bytes(pool)))
-        entry = _Entry(mode_id, value, digest)
+        slot = ns.arena.allocate(size, next(self._generations))
+        if slot is None:
+            slot = self._evict_for_slot(ns.arena, size)
+        if slot is None:
+            return PutResult(
+                PutOutcome.REJECTED,
+                f"no room for {size} bytes in the value arena of this tenant (its memory is leased, being "
+                "written, or the shared-memory file system is full); release leases or enlarge --shm-dir",
+            )
+        pool.reserved += size
+        return slot
+
+    def _insert_locked(
+        self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, slot: Slot, digest: int
+    ) -> PutResult:
+        """Make a written slot visible at `address`, or free it when the address was filled meanwhile.
+        Caller holds the lock."""
+        ns.pool.reserved -= slot.length
+        existing = ns.entries.get(address)
+        if existing is not None:
+            ns.arena.free(slot)
+            if existing.mode_id != mode_id:
+                return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
+            return _ALREADY_PRESENT
+        entry = _Entry(mode_id, ns.arena, slot, digest)
         ns.entries[address] = entry
         mode_entries = ns.by_mode.get(mode_id)
         if mode_entries is None:
             mode_entries = ns.by_mode[mode_id] = {}
         mode_entries[address] = entry
-        pool.lru[(namespace_id, address)] = None
-        ns.used_bytes += size
-        pool.used += size
+        ns.pool.lru[(namespace_id, address)] = None
+        ns.used_bytes += slot.length
+        ns.pool.used += slot.length
         return _STORED
 
     def _pinned_bytes(self, pool: _Pool) -> int:
-        """Bytes of the pool held by leases. Caller holds the lock. O(pinned keys): only when it is full."""
-        total = 0
+        """Bytes of the pool held by leases and reservations. Caller holds the lock. O(pinned keys):
+        only needed when it is full."""
+        total = pool.reserved
         for ns in self._namespaces.values():
             if ns.pool is not pool:
                 continue
             for address in ns.pins:
                 entry = ns.entries.get(address)
                 if entry is not None:
-                    total += len(entry.value)
+                    total += entry.slot.length
         return total
 
     def _make_room(self, pool: _Pool, size: int) -> bool:
@@ -249,7 +431,7 @@ class MemoryBackend:
 
         Leased blocks met on the way move to the recent end (a second chance), so later scans do
         not walk past them again; they are in use, which is what recency means."""
-        need = pool.used + size - pool.capacity
+        need = pool.used + pool.reserved + size - pool.capacity
         victims: list[_StoreKey] = []
         leased: list[_StoreKey] = []
         freed = 0
@@ -261,7 +443,7 @@ class MemoryBackend:
                 leased.append(store_key)
                 continue
             victims.append(store_key)
-            freed += len(ns.entries[address].value)
+            freed += ns.entries[address].slot.length
             if freed >= need:
                 break
         deque(map(pool.lru.move_to_end, leased), maxlen=0)
@@ -273,11 +455,32 @@ class MemoryBackend:
             self._evictions[ns.tenant] += 1
         return True
 
+    def _evict_for_slot(self, arena: Arena, size: int) -> Slot | None:
+        """The arena has bytes to spare but no slot that fits (mixed sizes, or a full file system):
+        evict this arena's least recently used unpinned blocks until a slot of `size` frees up.
+        Caller holds the lock."""
+        namespaces = self._namespaces
+        candidates = [
+            (ns_id, address)
+            for pool in self._pools
+            for ns_id, address in pool.lru
+            if namespaces[ns_id].arena is arena and address not in namespaces[ns_id].pins
+        ]
+        for ns_id, address in candidates:
+            ns = namespaces[ns_id]
+            self._remove(ns_id, ns, address, ns.entries[address])
+            self._evictions[ns.tenant] += 1
+            slot = arena.allocate(size, next(self._generations))
+            if slot is not None:
+                return slot
+        return None
+
     def _remove(self, namespace_id: str, ns: _Namespace, address: BlockAddress, entry: _Entry) -> None:
         del ns.entries[address]
         del ns.by_mode[entry.mode_id][address]
         del ns.pool.lru[(namespace_id, address)]
-        size = len(entry.value)
+        ns.arena.free(entry.slot)
+        size = entry.slot.length
         ns.used_bytes -= size
         ns.pool.used -= size
 
@@ -309,27 +512,36 @@ class MemoryBackend:
             deque(map(ns.pool.lru.move_to_end, zip(repeat(namespace_id), hits)), maxlen=0)
         return statuses, found
 
-    def _verify(
+    def _read_pinned(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], list[_Entry | None], list[BlockAddress]]:
+        """Statuses and entries of the addresses, the hits pinned (returned) so their slots stay put
+        while they are read outside the lock."""
+        with self._lock:
+            statuses, found = self._find(namespace_id, mode_id, addresses, touch=True)
+            ns = self._namespaces.get(namespace_id)
+            pinned: list[BlockAddress] = []
+            if ns is not None:
+                pinned = [a for a, e in zip(addresses, found, strict=True) if e is not None]
+                ns.pins.update(pinned)
+        return statuses, found, pinned
+
+    def _drop_corrupted(
         self,
         namespace_id: str,
         addresses: Sequence[BlockAddress],
         statuses: list[KeyStatus],
         found: list[_Entry | None],
+        bad: list[int],
     ) -> None:
-        """Check the hits' checksums outside the lock; drop corrupted values, turning their status to MISS."""
-        hits = found if None not in found else [e for e in found if e is not None]
-        if not hits:
-            return
-        if list(map(checksum, map(_VALUE, hits))) == list(map(_CHECKSUM, hits)):
-            return
+        """Answer the values at `bad` positions as MISS and drop them from the store (counted)."""
         with self._lock:
             ns = self._namespaces.get(namespace_id)
-            for i, entry in enumerate(found):
-                if entry is None or checksum(entry.value) == entry.checksum:
-                    continue
+            for i in bad:
+                entry = found[i]
                 statuses[i] = _MISS
                 found[i] = None
-                if ns is not None and ns.entries.get(addresses[i]) is entry:
+                if ns is not None and entry is not None and ns.entries.get(addresses[i]) is entry:
                     self._remove(namespace_id, ns, addresses[i], entry)
                     self._corrupted += 1
 
@@ -361,15 +573,44 @@ class MemoryBackend:
         return statuses, pinned
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
-        """Every hit's checksum is checked before its bytes leave; a failing value is dropped,
-        counted in corrupted_dropped and answered as a MISS."""
-        with self._lock:
-            statuses, found = self._find(namespace_id, mode_id, addresses, touch=True)
-        self._verify(namespace_id, addresses, statuses, found)
-        return [
-            ReadResult(status, entry.value if entry is not None else None)
-            for status, entry in zip(statuses, found, strict=True)
+        """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
+        a failing value is dropped, counted in corrupted_dropped and answered as a MISS."""
+        statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
+        try:
+            values = [bytes(e.view()) if e is not None else None for e in found]
+        finally:
+            self.unpin(namespace_id, pinned)
+        bad = [
+            i
+            for i, (e, v) in enumerate(zip(found, values, strict=True))
+            if e is not None and v is not None and checksum(v) != e.checksum
         ]
+        if bad:
+            self._drop_corrupted(namespace_id, addresses, statuses, found, bad)
+            for i in bad:
+                values[i] = None
+        return [ReadResult(status, value) for status, value in zip(statuses, values, strict=True)]
+
+    def get_references(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
+        """Shared-memory Get: statuses, a reference per verified hit and the pinned addresses, which the
+        caller holds under a lease until the reader released them (unpin). Checksums are checked in
+        place; a failing value is dropped and answered as a MISS, like get."""
+        statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
+        bad = [i for i, e in enumerate(found) if e is not None and checksum(e.view()) != e.checksum]
+        if bad:
+            self._drop_corrupted(namespace_id, addresses, statuses, found, bad)
+            dropped = {addresses[i] for i in bad}
+            self.unpin(namespace_id, [a for a in pinned if a in dropped])
+            pinned = [a for a in pinned if a not in dropped]
+        references = [
+            SlotReference(e.arena.segment, e.slot.offset, e.slot.length, e.slot.generation)
+            if e is not None
+            else None
+            for e in found
+        ]
+        return statuses, references, pinned
 
     # -- leases -------------------------------------------------------------
 
@@ -428,14 +669,26 @@ class MemoryBackend:
                     for tenant in tenants
                 },
                 shared_pool_bytes=self._shared.capacity,
+                reserved_bytes=sum(pool.reserved for pool in self._pools),
             )
+
+    def slots_in_use(self) -> int:
+        """Slots held by values and reservations, across arenas: equals keys + reservations when
+        nothing leaked."""
+        with self._lock:
+            return sum(arena.slots_in_use for arena in self._arenas.values())
 
     def close(self) -> None:
         with self._lock:
             self._namespaces.clear()
+            self._reservations.clear()
             for pool in self._pools:
                 pool.lru.clear()
                 pool.used = 0
+                pool.reserved = 0
+            arenas, self._arenas = list(self._arenas.values()), {}
+        for arena in arenas:
+            arena.close()
 
 
 class MemoryCensus:

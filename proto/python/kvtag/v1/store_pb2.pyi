@@ -25,6 +25,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_NOT_ALLOWED: _ClassVar[ErrorReason]
     MALFORMED_REQUEST: _ClassVar[ErrorReason]
     SERVER_BUSY: _ClassVar[ErrorReason]
+    DATA_PATH_NOT_NEGOTIATED: _ClassVar[ErrorReason]
 
 class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -68,6 +69,7 @@ TENANT_NOT_GRANTED: ErrorReason
 ROLE_NOT_ALLOWED: ErrorReason
 MALFORMED_REQUEST: ErrorReason
 SERVER_BUSY: ErrorReason
+DATA_PATH_NOT_NEGOTIATED: ErrorReason
 POLICY_UNSPECIFIED: Policy
 POLICY_ISOLATE: Policy
 POLICY_STRICT: Policy
@@ -119,14 +121,30 @@ class HashingMode(_message.Message):
     def __init__(self, key_scheme: _Optional[str] = ..., scheme_version: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., lookahead_tokens: _Optional[int] = ..., seed_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryRef(_message.Message):
-    __slots__ = ("segment", "offset", "length")
+    __slots__ = ("segment", "offset", "length", "generation")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     segment: str
     offset: int
     length: int
-    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class SharedMemoryOffer(_message.Message):
+    __slots__ = ("segment", "path", "size_bytes", "nonce_offset", "nonce_length")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONCE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NONCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    path: str
+    size_bytes: int
+    nonce_offset: int
+    nonce_length: int
+    def __init__(self, segment: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce_offset: _Optional[int] = ..., nonce_length: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_key_bytes", "max_batch_items", "max_value_bytes", "max_message_bytes")
@@ -174,7 +192,7 @@ class CensusWarning(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., other_mode_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "mode_id", "policy", "warnings", "session_ttl_ms", "data_path", "limits")
+    __slots__ = ("session_id", "namespace_id", "mode_id", "policy", "warnings", "session_ttl_ms", "data_path", "limits", "shared_memory_offer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +201,7 @@ class OpenSessionResponse(_message.Message):
     SESSION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_OFFER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     mode_id: str
@@ -191,7 +210,70 @@ class OpenSessionResponse(_message.Message):
     session_ttl_ms: int
     data_path: DataPath
     limits: Limits
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., mode_id: _Optional[str] = ..., policy: _Optional[_Union[Policy, str]] = ..., warnings: _Optional[_Iterable[_Union[CensusWarning, _Mapping]]] = ..., session_ttl_ms: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    shared_memory_offer: SharedMemoryOffer
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., mode_id: _Optional[str] = ..., policy: _Optional[_Union[Policy, str]] = ..., warnings: _Optional[_Iterable[_Union[CensusWarning, _Mapping]]] = ..., session_ttl_ms: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., shared_memory_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
+
+class AttachSharedMemoryRequest(_message.Message):
+    __slots__ = ("session_id", "nonce")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    nonce: bytes
+    def __init__(self, session_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class AttachSharedMemoryResponse(_message.Message):
+    __slots__ = ("data_path",)
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    data_path: DataPath
+    def __init__(self, data_path: _Optional[_Union[DataPath, str]] = ...) -> None: ...
+
+class SlotRequest(_message.Message):
+    __slots__ = ("block", "length")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    block: BlockRef
+    length: int
+    def __init__(self, block: _Optional[_Union[BlockRef, _Mapping]] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReserveSlotsRequest(_message.Message):
+    __slots__ = ("session_id", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    items: _containers.RepeatedCompositeFieldContainer[SlotRequest]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SlotRequest, _Mapping]]] = ...) -> None: ...
+
+class SlotGrant(_message.Message):
+    __slots__ = ("status", "reason", "slot")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    status: PutStatus
+    reason: str
+    slot: SharedMemoryRef
+    def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reason: _Optional[str] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+
+class ReserveSlotsResponse(_message.Message):
+    __slots__ = ("grants",)
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    grants: _containers.RepeatedCompositeFieldContainer[SlotGrant]
+    def __init__(self, grants: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
+
+class GetReferencesResponse(_message.Message):
+    __slots__ = ("results", "lease")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[GetReference]
+    lease: Lease
+    def __init__(self, results: _Optional[_Iterable[_Union[GetReference, _Mapping]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class GetReference(_message.Message):
+    __slots__ = ("status", "slot")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    status: KeyStatus
+    slot: SharedMemoryRef
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -493,7 +575,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants")
+    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants", "reserved_bytes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +585,7 @@ class GetStatsResponse(_message.Message):
     CORRUPTED_DROPPED_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     capacity_bytes: int
     used_bytes: int
@@ -512,4 +595,5 @@ class GetStatsResponse(_message.Message):
     corrupted_dropped: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    reserved_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...

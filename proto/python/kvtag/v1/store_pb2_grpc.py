@@ -83,6 +83,21 @@ class KvStoreStub:
                 request_serializer=kvtag_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvtag_dot_v1_dot_store__pb2.GetResponse.FromString,
                 _registered_method=True)
+        self.AttachSharedMemory = channel.unary_unary(
+                '/kvtag.v1.KvStore/AttachSharedMemory',
+                request_serializer=kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryRequest.SerializeToString,
+                response_deserializer=kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.ReserveSlots = channel.unary_unary(
+                '/kvtag.v1.KvStore/ReserveSlots',
+                request_serializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.SerializeToString,
+                response_deserializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.FromString,
+                _registered_method=True)
+        self.GetReferences = channel.unary_unary(
+                '/kvtag.v1.KvStore/GetReferences',
+                request_serializer=kvtag_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvtag_dot_v1_dot_store__pb2.GetReferencesResponse.FromString,
+                _registered_method=True)
         self.ReleaseLeases = channel.unary_unary(
                 '/kvtag.v1.KvStore/ReleaseLeases',
                 request_serializer=kvtag_dot_v1_dot_store__pb2.ReleaseLeasesRequest.SerializeToString,
@@ -175,6 +190,30 @@ class KvStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachSharedMemory(self, request, context):
+        """Proves the client mapped the offered arena and switches the session to
+        DATA_PATH_SHARED_MEMORY. A wrong nonce leaves it INLINE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReserveSlots(self, request, context):
+        """Shared-memory Put, step 1: slots to write values into. Slots are held by
+        the session until committed with Put or the session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReferences(self, request, context):
+        """Shared-memory Get: references to the hit slots, pinned by a lease. Same
+        tag enforcement as Get: a wrong-mode block gets no reference.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLeases(self, request, context):
         """Releases read leases early.
         """
@@ -238,6 +277,21 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.GetStream,
                     request_deserializer=kvtag_dot_v1_dot_store__pb2.GetRequest.FromString,
                     response_serializer=kvtag_dot_v1_dot_store__pb2.GetResponse.SerializeToString,
+            ),
+            'AttachSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachSharedMemory,
+                    request_deserializer=kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryRequest.FromString,
+                    response_serializer=kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryResponse.SerializeToString,
+            ),
+            'ReserveSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveSlots,
+                    request_deserializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.FromString,
+                    response_serializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.SerializeToString,
+            ),
+            'GetReferences': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReferences,
+                    request_deserializer=kvtag_dot_v1_dot_store__pb2.GetRequest.FromString,
+                    response_serializer=kvtag_dot_v1_dot_store__pb2.GetReferencesResponse.SerializeToString,
             ),
             'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLeases,
@@ -480,6 +534,87 @@ class KvStore:
             '/kvtag.v1.KvStore/GetStream',
             kvtag_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
             kvtag_dot_v1_dot_store__pb2.GetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtag.v1.KvStore/AttachSharedMemory',
+            kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryRequest.SerializeToString,
+            kvtag_dot_v1_dot_store__pb2.AttachSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtag.v1.KvStore/ReserveSlots',
+            kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.SerializeToString,
+            kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReferences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtag.v1.KvStore/GetReferences',
+            kvtag_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+            kvtag_dot_v1_dot_store__pb2.GetReferencesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,221 @@
+"""The same-host shared-memory data path, through StoreClient against a real kvtag-store process:
+byte-exact, tag-enforced, exactly accounted, safe under racing processes and dying writers, and
+falling back to the inline path (logged once) whenever the arena cannot be mapped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
+from kvtag_client.store import StoreClient
+
+from tests.net import wait_until
+from tests.store_process import REPO, StoreProcess
+
+from .conftest import ClientFactory, StoreFactory
+
+SIZES = [0, 1, 63, 64, 65, 4095, 4096, (64 << 10) + 7, 1 << 20]
+
+
+def _stats(endpoint: str) -> pb.GetStatsResponse:
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        response: pb.GetStatsResponse = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        return response
+
+
+def _shm_client(make_client: ClientFactory, endpoint: str, **kwargs: object) -> StoreClient:
+    client = make_client(endpoint, **kwargs)
+    assert client.open()
+    assert client.data_path == "shared_memory"
+    return client
+
+
+def test_round_trip_is_byte_exact_for_every_size(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    client = _shm_client(make_client, shared_store.endpoint, tenant="exact")
+    items = [(0, f"size-{n}".encode(), os.urandom(n), b"") for n in SIZES]
+    assert client.put(items) == [pb.STORED] * len(items)
+    assert client.put(items[:3]) == [pb.ALREADY_PRESENT] * 3
+    assert client.get([(g, k) for g, k, _, _ in items]) == [v for _, _, v, _ in items]
+
+    # The zero-copy calls the connector uses: fill slots in place, copy out of pinned slots.
+    sized = [(1, f"zc-{n}".encode(), n, b"") for n in SIZES]
+    sources = [os.urandom(n) for n in SIZES]
+
+    def fill(index: int, slot: memoryview) -> None:
+        slot[:] = sources[index]
+
+    assert client.put_from(sized, fill) == [pb.STORED] * len(sized)
+    copies: dict[int, bytes] = {}
+
+    def sink(index: int, slot: memoryview) -> bool:
+        copies[index] = bytes(slot)
+        return True
+
+    assert client.get_into([(1, k) for _, k, _, _ in sized], "", sink) == [True] * len(sized)
+    assert [copies[i] for i in range(len(SIZES))] == sources
+    assert client.counters.put_stored == 2 * len(SIZES)
+
+
+def test_wrong_mode_get_gets_no_reference_and_no_bytes(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    legacy = _shm_client(make_client, shared_store.endpoint, tenant="modes")
+    lookahead = _shm_client(make_client, shared_store.endpoint, tenant="modes", lookahead_tokens=1)
+    assert legacy.put([(0, b"block", b"legacy-bytes", b"")]) == [pb.STORED]
+    assert lookahead.put([(0, b"block", b"lookahead-bytes", b"")]) == [pb.CONFLICT]
+    assert lookahead.get([(0, b"block")]) == [None]
+    reply = lookahead._stub.GetReferences(
+        pb.GetRequest(session_id=lookahead.session_id, blocks=[pb.BlockRef(key=b"block")]), timeout=10
+    )
+    assert [(r.status, r.HasField("slot")) for r in reply.results] == [(pb.MODE_MISMATCH, False)]
+    assert not reply.lease.lease_id
+    # No slot may be reserved for a key another mode holds either.
+    reservation = lookahead.reserve([(0, b"block", 12, b"")])
+    assert reservation is not None
+    assert (reservation.statuses, reservation.slots) == ([pb.CONFLICT], [None])
+    assert legacy.get([(0, b"block")]) == [b"legacy-bytes"]
+
+
+def test_capacity_accounting_is_exact_and_eviction_frees_slots(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store("--capacity", "1000000")
+    client = _shm_client(make_client, store.endpoint)
+    values = [(0, f"v{i}".encode(), os.urandom(100_000), b"") for i in range(25)]
+    for start in range(0, 25, 5):
+        assert client.put(values[start : start + 5]) == [pb.STORED] * 5
+        stats = _stats(store.endpoint)
+        assert stats.used_bytes == stats.keys * 100_000 <= 1_000_000
+        assert stats.reserved_bytes == 0
+    stats = _stats(store.endpoint)
+    assert (stats.keys, stats.used_bytes, stats.evictions) == (10, 1_000_000, 15)
+    assert client.get([(0, k) for _, k, _, _ in values[15:]]) == [v for _, _, v, _ in values[15:]]
+    assert client.get([(0, values[0][1])]) == [None]
+
+
+def test_a_reader_never_keeps_bytes_from_a_slot_reused_after_its_lease(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """The lease pins a slot only for lease_ms; a reader slower than that must find the generation
+    changed and void its copy rather than return another block's bytes."""
+    store = start_store("--capacity", "400000", "--lease-ms", "200")
+    reader = _shm_client(make_client, store.endpoint)
+    writer = _shm_client(make_client, store.endpoint)
+    original = os.urandom(100_000)
+    assert reader.put([(0, b"victim", original, b"")]) == [pb.STORED]
+    copies: list[bytes] = []
+
+    def slow_sink(index: int, slot: memoryview) -> bool:
+        # The read lease (200 ms) lapses: the store may now evict and reuse the slot.
+        wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 20, "the read lease to expire")
+        for i in range(4):
+            fillers = [(0, f"filler-{i}-{j}".encode(), os.urandom(100_000), b"") for j in range(2)]
+            assert writer.put(fillers) == [pb.STORED] * 2
+        copies.append(bytes(slot))
+        return True
+
+    assert reader.get_into([(0, b"victim")], "", slow_sink) == [False]
+    assert copies and copies[0] != original  # the slot really was reused under the reader
+    assert reader.get([(0, b"victim")]) == [None]
+
+
+def test_racing_processes_are_only_ever_served_the_right_bytes(start_store: StoreFactory) -> None:
+    """Three processes put and get content-derived values in a store far smaller than the key space,
+    so slots are evicted and reused under them all the time; every served byte is checked."""
+    store = start_store("--capacity", "600KiB")
+    if True:
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.client.shm_worker", "race", store.endpoint, str(seed), "150"],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for seed in range(3)
+        ]
+        reports = []
+        for worker in workers:
+            out, err = worker.communicate(timeout=300)
+            assert worker.returncode == 0, (out + err).decode(errors="replace")[-2000:]
+            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+        stats = _stats(store.endpoint)
+    assert all(r["served"] > 0 and r["stored"] > 0 for r in reports), reports
+    assert stats.evictions > 0 and stats.reserved_bytes == 0
+    assert stats.used_bytes <= 600 << 10
+
+
+def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    store = start_store("--capacity", "1MiB", "--session-ttl-ms", "1000")
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "tests.client.shm_worker", "reserve-and-hang", store.endpoint],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert doomed.stdout is not None
+        line = doomed.stdout.readline()
+        assert line == b"reserved\n", doomed.stderr.read().decode() if doomed.stderr else line
+        assert _stats(store.endpoint).reserved_bytes == 4 * (64 << 10)
+    finally:
+        doomed.kill()
+        doomed.wait(timeout=10)
+    wait_until(lambda: _stats(store.endpoint).reserved_bytes == 0, 20, "the dead writer's slots to be freed")
+    client = _shm_client(make_client, store.endpoint, tenant="shm-tests")
+    doomed_keys = [(0, f"doomed-{i}".encode()) for i in range(4)]
+    assert client.get(doomed_keys) == [None] * 4
+    # Every byte of capacity is usable again: nothing stayed reserved.
+    fill = [(0, f"after-{i}".encode(), os.urandom(64 << 10), b"") for i in range(16)]
+    assert client.put(fill) == [pb.STORED] * 16
+    stats = _stats(store.endpoint)
+    assert (stats.used_bytes, stats.evictions, stats.reserved_bytes) == (1 << 20, 0, 0)
+
+
+def test_unmappable_arena_falls_back_to_inline_and_says_so_once(
+    shared_store: StoreProcess, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = _shm_client(make_client, shared_store.endpoint, tenant="fallback")
+    assert first._arena is not None
+    arena_path = Path("/dev/shm") / first._arena.segment
+    arena_path.unlink()  # as if the engine saw another /dev/shm: the offered file is not there
+    caplog.set_level(logging.INFO, logger="kvtag_client.store")
+    second = make_client(shared_store.endpoint, tenant="fallback")
+    assert second.open()
+    assert second.data_path == "inline"
+    assert second.put([(0, b"inline", b"still-stored", b"")]) == [pb.STORED]
+    # A re-opened session tries again and stays inline without a second warning.
+    second._stub.CloseSession(pb.CloseSessionRequest(session_id=second.session_id), timeout=10)
+    assert second.get([(0, b"inline")]) == [b"still-stored"]
+    assert first.get([(0, b"inline")]) == [b"still-stored"]  # the attached client keeps its mapping
+    warnings = [r for r in caplog.records if "shared-memory path unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "cannot open" in warnings[0].getMessage()
+    assert second.data_path == "inline"
+
+
+def test_inline_choice_and_a_store_without_arena_use_the_inline_path(
+    start_store: StoreFactory, make_client: ClientFactory, shared_store: StoreProcess
+) -> None:
+    chosen = make_client(shared_store.endpoint, data_path="inline")
+    assert chosen.open() and chosen.data_path == "inline"
+    assert chosen.put([(0, b"chosen", b"bytes", b"")]) == [pb.STORED]
+    assert chosen.get([(0, b"chosen")]) == [b"bytes"]
+    no_arena = start_store("--shm-dir", "")
+    plain = make_client(no_arena.endpoint)
+    assert plain.open() and plain.data_path == "inline"
+    assert plain.put([(0, b"k", b"v", b"")]) == [pb.STORED]
+    assert plain.get([(0, b"k")]) == [b"v"]
+    with pytest.raises(ValueError, match="data_path"):
+        make_client(shared_store.endpoint, data_path="shm")
