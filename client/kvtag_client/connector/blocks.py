@@ -75,6 +75,44 @@ def gather(views: Sequence[LayerView], block_id: int) -> bytes:
     return torch.cat(parts).numpy().tobytes() if parts else b""
 
 
+def gather_into(views: Sequence[LayerView], block_id: int, destination: memoryview) -> None:
+    """Copy the block's bytes across the group's layers straight into `destination` (e.g. a store
+    arena slot of block_nbytes(views) bytes), in layer order, with no intermediate bytes."""
+    if not destination.nbytes:
+        return
+    out = torch.frombuffer(destination, dtype=torch.uint8)
+    offset = 0
+    for view in views:
+        source = view.tensor.select(view.block_dim, block_id)
+        size = view.block_nbytes()
+        _typed(out[offset : offset + size], view.tensor.dtype, source.shape).copy_(source)
+        offset += size
+
+
+def scatter_from(views: Sequence[LayerView], block_id: int, source: memoryview) -> bool:
+    """scatter() from a buffer (e.g. a pinned store arena slot) without copying it to bytes first."""
+    if source.nbytes != block_nbytes(views):
+        return False
+    if not source.nbytes:
+        return True
+    data = torch.frombuffer(source, dtype=torch.uint8)
+    offset = 0
+    for view in views:
+        target = view.tensor.select(view.block_dim, block_id)
+        size = view.block_nbytes()
+        target.copy_(_typed(data[offset : offset + size], view.tensor.dtype, target.shape))
+        offset += size
+    return True
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A uint8 span seen as `dtype` in `shape`; copied first only if it is misaligned for the dtype."""
+    try:
+        return raw.view(dtype).view(shape)
+    except RuntimeError:
+        return raw.clone().view(dtype).view(shape)
+
+
 def block_nbytes(views: Sequence[LayerView]) -> int:
     return sum(view.block_nbytes() for view in views)
 

@@ -27,9 +27,14 @@ class PendingPut:
     req_id: str
     # (group, key, value, base_key)
     items: list[tuple[int, bytes, bytes, bytes]]
+    # Shared-memory path: the values already sit in store slots (StoreClient.reserve); committing is
+    # what is left. `items` is then empty.
+    reservation: Any = None
 
     @property
     def nbytes(self) -> int:
+        if self.reservation is not None:
+            return int(self.reservation.nbytes)
         return sum(len(value) for _, _, value, _ in self.items)
 
 
@@ -64,15 +69,35 @@ class Saver:
 
     def submit(self, put: PendingPut) -> bool:
         """Queue a put; False (dropped, counted) when the pending bytes would exceed the bound."""
-        size = put.nbytes
-        with self._lock:
-            if self._pending_bytes + size > self._max_pending:
-                self._stats.add("dropped_saves", len(put.items))
-                return False
-            self._pending_bytes += size
-            self._inflight += 1
-        self._queue.put(put)
+        nbytes = put.nbytes
+        if not self.admit(nbytes, len(put.items)):
+            return False
+        self.enqueue(put, nbytes)
         return True
+
+    def admit(self, nbytes: int, blocks: int) -> bool:
+        """Count `nbytes` as pending if the bound allows (then enqueue() or withdraw() must follow);
+        False (the blocks dropped, counted) when it does not."""
+        with self._lock:
+            if self._pending_bytes + nbytes > self._max_pending:
+                self._stats.add("dropped_saves", blocks)
+                return False
+            self._pending_bytes += nbytes
+            self._inflight += 1
+        return True
+
+    def enqueue(self, put: PendingPut, admitted: int) -> None:
+        """Queue a put admitted for `admitted` bytes (it may hold fewer: slots not granted)."""
+        with self._lock:
+            self._pending_bytes -= admitted - put.nbytes
+        self._queue.put(put)
+
+    def withdraw(self, nbytes: int) -> None:
+        """Undo an admit() whose put will not be queued."""
+        with self._idle:
+            self._pending_bytes -= nbytes
+            self._inflight -= 1
+            self._idle.notify_all()
 
     def submit_audit(self, req_id: str, engine_blocks: list[tuple[int, bytes, bytes]]) -> None:
         """Compare the store's copy of each (group, key) with the engine's final bytes, off the hot path."""
@@ -110,6 +135,9 @@ class Saver:
 
     def _put(self, work: PendingPut) -> None:
         client = self._client()
+        if work.reservation is not None:
+            self._commit(work, client)
+            return
         for start in range(0, len(work.items), self._batch):
             batch = work.items[start : start + self._batch]
             statuses = client.put(batch)
@@ -125,6 +153,23 @@ class Saver:
                         self._stored_here.setdefault(work.req_id, set()).add((group, key))
                 else:
                     self._stats.add("dropped_saves")
+
+    def _commit(self, work: PendingPut, client: Any) -> None:
+        """Make a shared-memory save's slots visible (the bytes were gathered into them in the step)."""
+        reservation = work.reservation
+        statuses = client.commit(reservation)
+        if statuses is None:
+            self._stats.add("dropped_saves", len(reservation.items))
+            self._stats.add("degraded_calls")
+            return
+        for (group, key, length, _), status in zip(reservation.items, statuses, strict=False):
+            if status in (pb.STORED, pb.ALREADY_PRESENT):
+                self._stats.add("saved_blocks")
+                self._stats.add("saved_bytes", length)
+                if self._audit and status == pb.STORED:
+                    self._stored_here.setdefault(work.req_id, set()).add((group, key))
+            else:
+                self._stats.add("dropped_saves")
 
     def _check(self, req_id: str, engine_blocks: list[tuple[int, bytes, bytes]]) -> None:
         ours = self._stored_here.pop(req_id, set())

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .blocks import LayerView, gather, layer_views, scatter
+from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
 from .metadata import KvtagConnectorMetadata, SaveJob
 from .saver import PendingPut, Saver
 from .stats import StatsRecorder
@@ -73,13 +73,14 @@ class WorkerSide:
                 self._save(job)
 
     def _save(self, job: SaveJob) -> None:
-        items: list[tuple[int, bytes, bytes, bytes]] = []
-        for transfer in job.blocks:
-            views = self._views[transfer.group] if transfer.group < len(self._views) else []
-            if not views:
-                continue
-            items.append((transfer.group, transfer.key, gather(views, transfer.block_id), transfer.base_key))
-        if items:
+        transfers = [t for t in job.blocks if t.group < len(self._views) and self._views[t.group]]
+        client = self._client()
+        if transfers and getattr(client, "data_path", "inline") == "shared_memory":
+            self._save_shared(job.req_id, transfers, client)
+        elif transfers:
+            items = [
+                (t.group, t.key, gather(self._views[t.group], t.block_id), t.base_key) for t in transfers
+            ]
             self.saver.submit(PendingPut(job.req_id, items))
         if job.audit:
             engine = [
@@ -93,18 +94,49 @@ class WorkerSide:
             with self._lock:
                 self._finished_sending.add(job.req_id)
 
+    def _save_shared(self, req_id: str, transfers: list[Any], client: Any) -> None:
+        """Gather the blocks straight into store slots now (the blocks may be reused after this step);
+        the saver commits them in the background."""
+        sized = [(t.group, t.key, block_nbytes(self._views[t.group]), t.base_key) for t in transfers]
+        nbytes = sum(size for _, _, size, _ in sized)
+        if not self.saver.admit(nbytes, len(sized)):
+            return
+        reservation = client.reserve(sized)
+        if reservation is None:
+            self.saver.withdraw(nbytes)
+            self._stats.add("dropped_saves", len(sized))
+            return
+        for transfer, slot in zip(transfers, reservation.slots, strict=True):
+            if slot is not None:
+                gather_into(self._views[transfer.group], transfer.block_id, slot)
+        self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
+
     def _load(self, req_id: str, transfers: list[Any], lease_id: str) -> set[int]:
         """Scatter stored blocks into their engine blocks; returns the block ids that failed."""
-        values = self._client().get([(t.group, t.key) for t in transfers], lease_id)
+        client = self._client()
+        blocks = [(t.group, t.key) for t in transfers]
+        loaded = [False] * len(transfers)
+        if getattr(client, "data_path", "inline") == "shared_memory":
+
+            def sink(index: int, source: memoryview) -> bool:
+                transfer = transfers[index]
+                views = self._views[transfer.group] if transfer.group < len(self._views) else []
+                return bool(views) and scatter_from(views, transfer.block_id, source)
+
+            loaded = client.get_into(blocks, lease_id, sink)
+        else:
+            values = client.get(blocks, lease_id)
+            for index, transfer in enumerate(transfers):
+                value = values[index] if index < len(values) else None
+                views = self._views[transfer.group] if transfer.group < len(self._views) else []
+                loaded[index] = value is not None and bool(views) and scatter(views, transfer.block_id, value)
         failed: set[int] = set()
         loaded_bytes = 0
         for index, transfer in enumerate(transfers):
-            value = values[index] if index < len(values) else None
-            views = self._views[transfer.group] if transfer.group < len(self._views) else []
-            if value is None or not views or not scatter(views, transfer.block_id, value):
+            if not loaded[index]:
                 failed.add(transfer.block_id)
                 continue
-            loaded_bytes += len(value)
+            loaded_bytes += block_nbytes(self._views[transfer.group])
         self._stats.add("loaded_blocks", len(transfers) - len(failed))
         self._stats.add("loaded_bytes", loaded_bytes)
         if failed:
