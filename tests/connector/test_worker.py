@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from kvtag_client.connector import KvtagConnector
 from kvtag_client.connector.blocks import gather
@@ -76,11 +77,16 @@ def run_step(worker: KvtagConnector, meta: KvtagConnectorMetadata) -> tuple[set[
     return sending or set(), errors
 
 
+@pytest.mark.parametrize("data_path", ["shared_memory", "inline"])
 def test_worker_round_trip_and_missing_blocks_are_reported(
-    models: dict[str, Path], store: StoreProcess
+    models: dict[str, Path], start_store: Callable[..., StoreProcess], data_path: str
 ) -> None:
+    """Both data paths: the store's arena (same host, picked automatically) and gRPC messages (a store
+    without an arena, as a remote one is)."""
+    store = start_store(*(["--shm-dir", ""] if data_path == "inline" else []))
     worker, caches = worker_only(models, store.endpoint)
     try:
+        assert worker.client().data_path == data_path
         keys = [b"rt-" + bytes([i]) * 29 for i in range(3)]
         saves = [BlockTransfer(0, source, key) for source, key in zip((3, 5, 6), keys, strict=True)]
         before = {name: tensor.clone() for name, tensor in caches.items()}
