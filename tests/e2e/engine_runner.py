@@ -241,6 +241,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     final = _counters(llm)
     results["counters"] = {key: final[key] - baseline[key] for key in _COUNTERS}
     connectors = [c for c in (scheduler_connector, _worker_connector()) if c is not None]
+    worker = _worker_connector()
+    # Which data path the worker's saves and loads took ("shared_memory" on one host, else "inline").
+    results["worker_data_path"] = worker.client().data_path if worker is not None else None
     results["scheduler_connector_time"] = timer.report() if timer is not None else None
     # A clean engine shutdown shuts the connector down, which flushes its pending saves:
     # the next engine process must find everything this one stored.

@@ -104,6 +104,9 @@ def test_warm_engine_loads_from_kvtag_and_greedy_tokens_match_cold_run(
 ) -> None:
     runs = mode_runs(mode)
     cold, warm = _requests(runs["cold"]), _requests(runs["warm"])
+    assert runs["warm"]["worker_data_path"] == runs["cold"]["worker_data_path"] == "shared_memory", (
+        "engine and store share this host: blocks must move through the store's shared-memory arena"
+    )
     assert sum(r["external_hit"] for r in cold) == 0, "the cold run found blocks in an empty store"
     assert sum(r["external_hit"] for r in warm) > 0, f"{mode}: the warm engine loaded nothing from kvtag"
     for index, (c, w) in enumerate(zip(cold, warm, strict=True)):
