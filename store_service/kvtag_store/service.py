@@ -308,12 +308,26 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
                 pb.SlotGrant(status=pb.REJECTED, reason=_SHM_REFUSED.reason) for _ in request.items
             )
             return response
-        addresses: list[BlockAddress] = [(i.block.group, BlockKey(i.block.key)) for i in request.items]
-        granted = self.arenas.reserve(
-            session.namespace_id,
-            session.mode_id,
-            list(zip(addresses, [i.length for i in request.items], strict=True)),
+        # The same per-item limit as an inline Put, so both paths give the same results.
+        fits = [n for n, item in enumerate(request.items) if item.length <= self.max_value_bytes]
+        reserved = iter(
+            self.arenas.reserve(
+                session.namespace_id,
+                session.mode_id,
+                [
+                    (
+                        (request.items[n].block.group, BlockKey(request.items[n].block.key)),
+                        request.items[n].length,
+                    )
+                    for n in fits
+                ],
+            )
         )
+        allowed = set(fits)
+        granted = [
+            next(reserved) if n in allowed else self._too_large(item.length)
+            for n, item in enumerate(request.items)
+        ]
         self.sessions.add_reservations(
             session, [g.generation for g in granted if not isinstance(g, PutResult)]
         )

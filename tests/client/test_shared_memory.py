@@ -219,3 +219,15 @@ def test_inline_choice_and_a_store_without_arena_use_the_inline_path(
     assert plain.get([(0, b"k")]) == [b"v"]
     with pytest.raises(ValueError, match="data_path"):
         make_client(shared_store.endpoint, data_path="shm")
+
+
+def test_value_limit_is_the_same_on_both_paths(start_store: StoreFactory, make_client: ClientFactory) -> None:
+    store = start_store("--max-message-bytes", "1MiB")
+    shared = _shm_client(make_client, store.endpoint)
+    inline = make_client(store.endpoint, data_path="inline")
+    assert inline.open()
+    limit = shared.limits.max_value_bytes
+    items = [(0, b"fits", os.urandom(limit - 4096), b""), (0, b"too-big", os.urandom(limit + 1), b"")]
+    assert shared.put(items) == [pb.STORED, pb.REJECTED]
+    assert inline.put(items) == [pb.ALREADY_PRESENT, pb.REJECTED]
+    assert shared.get([(0, b"fits"), (0, b"too-big")]) == [items[0][2], None]
