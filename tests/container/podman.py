@@ -107,8 +107,11 @@ class Deployment:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
-def run_service(image: str, env: dict[str, str], capacity_bytes: int) -> Deployment:
-    """`podman run --init -p 127.0.0.1:P:50051 ...` of the image; never --network host."""
+def run_service(
+    image: str, env: dict[str, str], capacity_bytes: int, extra: tuple[str, ...] = ()
+) -> Deployment:
+    """`podman run --init -p 127.0.0.1:P:50051 ...` of the image; never --network host. `extra`: more
+    `podman run` options (volumes)."""
     name = f"{RUN_ID}-{uuid.uuid4().hex[:8]}"
     grpc_port, metrics_port = free_port(), free_port()
     env_args = [arg for key, value in env.items() for arg in ("--env", f"{key}={value}")]
@@ -116,7 +119,7 @@ def run_service(image: str, env: dict[str, str], capacity_bytes: int) -> Deploym
         "run", "--detach", "--init", "--name", name, "--label", f"{RUN_LABEL}={RUN_ID}",
         "--publish", f"127.0.0.1:{grpc_port}:{GRPC_PORT}",
         "--publish", f"127.0.0.1:{metrics_port}:{METRICS_PORT}",
-        *env_args, image,
+        *env_args, *extra, image,
     )  # fmt: skip
     return Deployment(
         name=name,
