@@ -893,18 +893,11 @@ class StoreClient:
         try:
             for start in range(0, len(pending), chunk_size):
                 chunk = pending[start : start + chunk_size]
-                put_items = []
-                for n in chunk:
-                    group, key, _, base_key = reservation.items[n]
-                    put_items.append(
-                        pb.PutItem(
-                            block=self._block_ref(group, key, base_key), shared_memory=reservation.refs[n]
-                        )
-                    )
+                generations = [ref.generation for n in chunk if (ref := reservation.refs[n]) is not None]
 
-                def rpc(sid: str, timeout: float, put_items: list[pb.PutItem] = put_items) -> list[int]:
-                    request = pb.PutRequest(session_id=sid, items=put_items)
-                    response: pb.PutResponse = self._stub.Put(request, timeout=timeout)
+                def rpc(sid: str, timeout: float, generations: list[int] = generations) -> list[int]:
+                    request = pb.CommitSlotsRequest(session_id=sid, generations=generations)
+                    response: pb.PutResponse = self._stub.CommitSlots(request, timeout=timeout)
                     return [r.status for r in response.results]
 
                 for n, status in zip(chunk, self._call(deadline, rpc), strict=False):

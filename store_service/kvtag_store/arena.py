@@ -257,6 +257,8 @@ class Arena:
     def _fault(self, end: int) -> bool:
         """Reserve and touch pages up to `end` (in whole extents); False when the file system is full.
         Usually a no-op: prefault_ahead() keeps a window of touched pages above the bump pointer."""
+        if end <= self._faulted:  # the common case: no lock (the prefaulter may hold it for ms)
+            return True
         with self._fault_lock:
             while self._faulted < end:
                 if not self._fault_extent():

@@ -67,6 +67,7 @@ LOOKUP = Intake("LookupRequest", "blocks", _lookup_estimate, wire.parse_lookup)
 PUT = Intake("PutRequest", "items", wire.count_items, wire.parse_put)
 GET = Intake("GetRequest", "blocks", wire.count_items, _generated(pb.GetRequest))
 ATTACH_SHARED_MEMORY = _control("AttachSharedMemoryRequest")
+COMMIT_SLOTS = Intake("CommitSlotsRequest", "generations", _no_batch, _generated(pb.CommitSlotsRequest))
 RESERVE_SLOTS = Intake("ReserveSlotsRequest", "items", wire.count_items, _generated(pb.ReserveSlotsRequest))
 RELEASE_LEASES = Intake(
     "ReleaseLeasesRequest", "lease_ids", wire.count_items, _generated(pb.ReleaseLeasesRequest)

@@ -64,6 +64,7 @@ def kvstore_handlers(service: KvStoreService) -> grpc.GenericRpcHandler:
         "ReleaseLeases": unary(service.ReleaseLeases),
         "AttachSharedMemory": unary(service.AttachSharedMemory),
         "ReserveSlots": unary(service.ReserveSlots),
+        "CommitSlots": unary(service.CommitSlots),
         "GetReferences": unary(service.GetReferences),
         "Diagnose": unary(service.Diagnose),
         "GetStats": unary(service.GetStats),

@@ -57,13 +57,19 @@ _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 
 _SHM_REFUSED = PutResult(
     PutOutcome.REJECTED,
-    "data path not negotiated: this session uses DATA_PATH_INLINE; send the bytes in `value`",
+    "data path not negotiated: this session uses DATA_PATH_INLINE (attach the shared-memory arena "
+    "with AttachSharedMemory first); send the bytes in `value`",
+)
+_SHM_IN_PUT = PutResult(
+    PutOutcome.REJECTED,
+    "shared-memory values are not committed by Put: reserve slots (ReserveSlots), write them and "
+    "commit them (CommitSlots), or send the bytes in `value`",
 )
 _NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
 _NOT_RESERVED = PutResult(
     PutOutcome.REJECTED,
     "no such reservation: the slot was not reserved by this session (ReserveSlots), was already "
-    "committed, or names another segment; reserve again",
+    "committed; reserve again",
 )
 
 R = TypeVar("R")
@@ -331,6 +337,19 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.sessions.add_reservations(
             session, [g.generation for g in granted if not isinstance(g, PutResult)]
         )
+        # Outcomes known now are counted now; the granted ones when committed. Base keys are recorded
+        # for what will be (or already is) stored in this mode.
+        known = Counter(g.outcome for g in granted if isinstance(g, PutResult))
+        if known:
+            self._tally_puts(session, known, 0)
+        base_keys = [
+            (item.block.group, item.block.base_key)
+            for item, grant in zip(request.items, granted, strict=True)
+            if item.block.base_key
+            and (not isinstance(grant, PutResult) or grant.outcome is PutOutcome.ALREADY_PRESENT)
+        ]
+        if base_keys:
+            self.base_index.record(session.namespace_id, session.mode_id, base_keys)
         grants = response.grants
         for grant in granted:
             if isinstance(grant, PutResult):
@@ -341,6 +360,28 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
                 slot.offset = grant.offset
                 slot.length = grant.length
                 slot.generation = grant.generation
+        return response
+
+    @rpc(intake.COMMIT_SLOTS)
+    def CommitSlots(self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        """Shared-memory Put, step 2: checksum, tag and insert the written slots the session reserved."""
+        session = self._session(request.session_id, context, "CommitSlots")
+        validation.batch_size("generations", len(request.generations), self.limits)
+        generations = list(request.generations)
+        held = self.sessions.take_reservations(session, generations)
+        claimed = [g for g, ok in zip(generations, held, strict=True) if ok]
+        outcomes: list[PutResult] = []
+        stored_bytes = 0
+        if claimed and self.arenas is not None:
+            outcomes, stored_bytes = self.arenas.commit(session.namespace_id, session.mode_id, claimed)
+        committed = iter(outcomes)
+        results = [next(committed) if ok else _NOT_RESERVED for ok in held]
+        self._tally_puts(session, Counter(r.outcome for r in results), stored_bytes)
+        response = pb.PutResponse()
+        response.results.extend(
+            pb.PutResult(status=r.outcome, reason=r.reason)  # type: ignore[arg-type]
+            for r in results
+        )
         return response
 
     @rpc(intake.HEARTBEAT)
@@ -439,8 +480,6 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         outcomes: list[PutResult | None] = [None] * len(items)
         batch: list[tuple[BlockAddress, bytes]] = []
         batch_index: list[int] = []
-        commits: list[tuple[BlockAddress, int, int, int]] = []
-        commit_index: list[int] = []
         for index, item in enumerate(items):
             payload = item.payload
             if payload == "value" and len(item.value) > self.max_value_bytes:
@@ -448,20 +487,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             elif payload == "value":
                 batch.append(((item.group, BlockKey(item.key)), item.value))
                 batch_index.append(index)
-            elif payload == "shared_memory" and session.shared_memory and item.shared_memory is not None:
-                ref = item.shared_memory
-                commits.append(((item.group, BlockKey(item.key)), ref.offset, ref.length, ref.generation))
-                commit_index.append(index)
             elif payload == "shared_memory":
-                outcomes[index] = _SHM_REFUSED
+                outcomes[index] = _SHM_IN_PUT if session.shared_memory else _SHM_REFUSED
             else:
                 outcomes[index] = _NO_PAYLOAD
-        if commits:
-            held = self.sessions.take_reservations(session, [c[3] for c in commits])
-            claimed = [c for c, ok in zip(commits, held, strict=True) if ok]
-            committed = iter(self.arenas.commit(ns_id, mode_id, claimed) if claimed and self.arenas else [])
-            for index, ok in zip(commit_index, held, strict=True):
-                outcomes[index] = next(committed) if ok else _NOT_RESERVED
         if batch:
             stored = self.backend.put_many(ns_id, mode_id, batch)
             if len(stored) != len(batch):
@@ -476,14 +505,15 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             outcome = result.outcome
             counts[outcome] += 1
             if outcome is PutOutcome.STORED:
-                stored_bytes += (
-                    item.shared_memory.length if item.shared_memory is not None else len(item.value)
-                )
+                stored_bytes += len(item.value)
             if item.base_key and outcome in (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT):
                 base_keys.append((item.group, item.base_key))
             results.append(pb.PutResult(status=outcome, reason=result.reason))  # type: ignore[arg-type]
         if base_keys:
             self.base_index.record(ns_id, mode_id, base_keys)
+        self._tally_puts(session, counts, stored_bytes)
+
+    def _tally_puts(self, session: Session, counts: Counter[PutOutcome], stored_bytes: int) -> None:
         self.census.count(session, conflicts=counts[PutOutcome.CONFLICT], stored=counts[PutOutcome.STORED])
         for outcome, count in counts.items():
             self.metrics.put_items.labels(PUT_STATUS_NAMES[outcome]).inc(count)  # type: ignore[index]

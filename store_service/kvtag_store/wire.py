@@ -173,8 +173,6 @@ class PutItemView:
     # "value", "shared_memory" or None, like PutItem.WhichOneof("payload").
     payload: str | None
     value: bytes
-    # The slot reference of a shared-memory commit (payload "shared_memory").
-    shared_memory: pb.SharedMemoryRef | None = None
 
 
 @dataclass(slots=True)
@@ -201,7 +199,6 @@ def put_from_message(message: pb.PutRequest) -> PutBatch:
             base_key=item.block.base_key,
             payload=item.WhichOneof("payload"),
             value=item.value,
-            shared_memory=item.shared_memory if item.HasField("shared_memory") else None,
         )
         for item in message.items
     ]
@@ -255,12 +252,10 @@ def _parse_put_item(view: memoryview, pos: int, end: int) -> PutItemView:
                 seen_block = True
                 _parse_block(view, pos, pos + length, item)
             elif field == 2:
-                item.payload, item.value, item.shared_memory = "value", bytes(view[pos : pos + length]), None
+                item.payload, item.value = "value", bytes(view[pos : pos + length])
             else:
-                if item.shared_memory is not None:  # sub-messages merge; leave that to the generated parser
-                    raise _Irregular
-                ref = pb.SharedMemoryRef.FromString(bytes(view[pos : pos + length]))  # validates like upb
-                item.payload, item.value, item.shared_memory = "shared_memory", b"", ref
+                pb.SharedMemoryRef.FromString(bytes(view[pos : pos + length]))  # validates like upb
+                item.payload, item.value = "shared_memory", b""
             pos += length
         else:
             pos = _skip(view, pos, wire_type)

@@ -231,3 +231,26 @@ def test_value_limit_is_the_same_on_both_paths(start_store: StoreFactory, make_c
     assert shared.put(items) == [pb.STORED, pb.REJECTED]
     assert inline.put(items) == [pb.ALREADY_PRESENT, pb.REJECTED]
     assert shared.get([(0, b"fits"), (0, b"too-big")]) == [items[0][2], None]
+
+
+def test_a_session_commits_only_its_own_reservations_and_each_once(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    owner = _shm_client(make_client, shared_store.endpoint, tenant="commits")
+    other = _shm_client(make_client, shared_store.endpoint, tenant="commits")
+    reservation = owner.reserve([(0, b"owned", 5, b"")])
+    assert reservation is not None and reservation.slots[0] is not None and reservation.refs[0] is not None
+    reservation.slots[0][:] = b"owned"
+    generation = reservation.refs[0].generation
+    stolen = other._stub.CommitSlots(
+        pb.CommitSlotsRequest(session_id=other.session_id, generations=[generation]), timeout=10
+    )
+    assert [r.status for r in stolen.results] == [pb.REJECTED]
+    assert "no such reservation" in stolen.results[0].reason
+    assert other.get([(0, b"owned")]) == [None]
+    assert owner.commit(reservation) == [pb.STORED]
+    again = owner._stub.CommitSlots(
+        pb.CommitSlotsRequest(session_id=owner.session_id, generations=[generation]), timeout=10
+    )
+    assert [r.status for r in again.results] == [pb.REJECTED]
+    assert other.get([(0, b"owned")]) == [b"owned"]

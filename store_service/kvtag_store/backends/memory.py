@@ -316,21 +316,16 @@ class MemoryBackend:
         return out
 
     def commit(
-        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int, int, int]]
-    ) -> list[PutResult]:
-        """Shared-memory Put, step 2: (address, offset, length, generation) of reserved slots the client
-        wrote. Each value is checksummed now and becomes visible only by its insert."""
+        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+    ) -> tuple[list[PutResult], int]:
+        """Shared-memory Put, step 2: the reserved slots (by generation) the client wrote. Each value is
+        checksummed now and becomes visible only by its insert. Returns a result per generation and
+        the bytes newly stored."""
         with self._lock:
             taken: list[_Reservation | None] = []
-            for address, offset, length, generation in items:
+            for generation in generations:
                 reservation = self._reservations.get(generation)
-                if (
-                    reservation is None
-                    or reservation.namespace_id != namespace_id
-                    or reservation.address != address
-                    or reservation.slot.offset != offset
-                    or reservation.slot.length != length
-                ):
+                if reservation is None or reservation.namespace_id != namespace_id:
                     taken.append(None)
                     continue
                 del self._reservations[generation]
@@ -341,13 +336,18 @@ class MemoryBackend:
             checksum(view[r.slot.offset : r.slot.offset + r.slot.length]) if r is not None else 0
             for r in taken
         ]
+        stored = 0
+        results: list[PutResult] = []
         with self._lock:
-            return [
-                self._insert_locked(namespace_id, ns, mode_id, r.address, r.slot, digest)
-                if r is not None
-                else _NO_RESERVATION
-                for r, digest in zip(taken, digests, strict=True)
-            ]
+            for r, digest in zip(taken, digests, strict=True):
+                if r is None:
+                    results.append(_NO_RESERVATION)
+                    continue
+                result = self._insert_locked(namespace_id, ns, mode_id, r.address, r.slot, digest)
+                if result is _STORED:
+                    stored += r.slot.length
+                results.append(result)
+        return results, stored
 
     def cancel(self, generations: Iterable[int]) -> None:
         """Free reserved slots that were never committed (their session ended). Unknown ones are ignored."""

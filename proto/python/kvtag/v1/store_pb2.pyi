@@ -253,6 +253,14 @@ class SlotGrant(_message.Message):
     slot: SharedMemoryRef
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reason: _Optional[str] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
+class CommitSlotsRequest(_message.Message):
+    __slots__ = ("session_id", "generations")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ("grants",)
     GRANTS_FIELD_NUMBER: _ClassVar[int]

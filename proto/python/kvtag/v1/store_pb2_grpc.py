@@ -93,6 +93,11 @@ class KvStoreStub:
                 request_serializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.SerializeToString,
                 response_deserializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.FromString,
                 _registered_method=True)
+        self.CommitSlots = channel.unary_unary(
+                '/kvtag.v1.KvStore/CommitSlots',
+                request_serializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.SerializeToString,
+                response_deserializer=kvtag_dot_v1_dot_store__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.GetReferences = channel.unary_unary(
                 '/kvtag.v1.KvStore/GetReferences',
                 request_serializer=kvtag_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
@@ -200,7 +205,17 @@ class KvStoreServicer:
 
     def ReserveSlots(self, request, context):
         """Shared-memory Put, step 1: slots to write values into. Slots are held by
-        the session until committed with Put or the session ends.
+        the session until committed or the session ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSlots(self, request, context):
+        """Shared-memory Put, step 2: the service checksums and tags the written
+        slots; only then are the values visible. One PutResult per generation,
+        in order; a slot this session did not reserve (or already committed) is
+        REJECTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -287,6 +302,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.ReserveSlots,
                     request_deserializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.FromString,
                     response_serializer=kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.SerializeToString,
+            ),
+            'CommitSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSlots,
+                    request_deserializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.FromString,
+                    response_serializer=kvtag_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
             ),
             'GetReferences': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReferences,
@@ -588,6 +608,33 @@ class KvStore:
             '/kvtag.v1.KvStore/ReserveSlots',
             kvtag_dot_v1_dot_store__pb2.ReserveSlotsRequest.SerializeToString,
             kvtag_dot_v1_dot_store__pb2.ReserveSlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtag.v1.KvStore/CommitSlots',
+            kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.SerializeToString,
+            kvtag_dot_v1_dot_store__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
