@@ -160,6 +160,8 @@ class Arena:
             self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._mmap)
         self._faulted = 0
+        # A small store does not need 64 MiB touched ahead (the arena is about twice the capacity).
+        self._window = min(PREFAULT_WINDOW, max(EXTENT, size // 4))
         self._fault_lock = threading.Lock()
         self._closed = False
         self._top = ARENA_HEADER
@@ -197,7 +199,7 @@ class Arena:
             return None
         _GENERATION.pack_into(self._mmap, start + SLOT_HEADER - 8, generation)
         self.slots_in_use += 1
-        if self._faulted < self._top + PREFAULT_WINDOW // 2 and self._faulted < self.size:
+        if self._faulted < self._top + self._window // 2 and self._faulted < self.size:
             PREFAULTER.kick()
         return Slot(start + SLOT_HEADER, length, span, generation)
 
@@ -266,16 +268,16 @@ class Arena:
             return True
 
     def prefault_ahead(self) -> None:
-        """Touch pages up to PREFAULT_WINDOW above the bump pointer, an extent at a time, so puts find
+        """Touch pages up to the prefault window above the bump pointer, an extent at a time, so puts find
         their slots faulted. Called from the backend's prefault thread, outside the backend lock."""
-        target = min(self.size, self._top + PREFAULT_WINDOW)
+        target = min(self.size, self._top + self._window)
         while self._faulted < target and not self._closed:
             with self._fault_lock:
                 if self._closed or not self._fault_extent():
                     return
 
     def wants_prefault(self) -> bool:
-        return self._faulted < min(self.size, self._top + PREFAULT_WINDOW // 2)
+        return self._faulted < min(self.size, self._top + self._window // 2)
 
     def _fault_extent(self) -> bool:
         """One more extent reserved (posix_fallocate: ENOSPC here, not SIGBUS later) and its pages
