@@ -48,6 +48,7 @@ check: lint typecheck proto-check
 lint: $(STAMPS)/dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/shellcheck scripts/*.sh .ci/run
 
 typecheck: $(STAMPS)/dev
 	$(VENV)/bin/mypy

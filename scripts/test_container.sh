@@ -10,7 +10,7 @@ export KVTAG_BASE_IMAGE=${KVTAG_BASE_IMAGE:-localhost/kvtag-base:bookworm}
 export KVTAG_TEST_IMAGE=${KVTAG_TEST_IMAGE:-localhost/kvtag-store:test}
 export KVTAG_TEST_MOONCAKE_IMAGE=${KVTAG_TEST_MOONCAKE_IMAGE:-localhost/kvtag-store:test-mooncake}
 
-# shellcheck disable=SC2317 # called by the EXIT trap
+# shellcheck disable=SC2329 # called by the EXIT trap
 cleanup() {
   local ids networks
   ids=$(
