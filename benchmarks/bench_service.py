@@ -809,7 +809,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         series[label]["kvtag_get_2inflight"].samples.append(
                             timed_calls([kv.get_call(r) for r in gets], kv_server, 2)
                         )
-                    # Echo at the value size: one value per message, both directions (the DESIGN baseline).
+                    # Echo at the value size: one value per message, both ways (the plain gRPC baseline).
                     echo_n = max(1, p.volume // p.value_size // 2)
                     series[label]["grpc_echo"].samples.append(
                         timed_calls([ref.echo_call(pool[i]) for i in range(echo_n)], echo_server)

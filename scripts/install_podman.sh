@@ -3,7 +3,7 @@
 # containers.conf settings this machine kind needs. Idempotent: apt runs only when a
 # package is missing, and the config drop-in is rewritten with the same content.
 #
-# Why these settings (measured, see ../shared/DESIGN.md "Containers"):
+# Why these settings (each one's absence broke runs on this machine kind):
 #   runtime = "runc"   crun fails on this machine's cgroup setup.
 #   default_ulimits    podman's default nofile limit is above the hard limit a
 #                      container may get here, so every run fails without it.

@@ -59,7 +59,7 @@ def describe_namespace(namespace_id: str, ns: pb.NamespaceDescriptor) -> str:
 def refusal_message(
     engine_id: str, namespace: str, established_mode_id: str, diffs: list[pb.FieldDiff]
 ) -> str:
-    """What happened, why, and what to do, in one line (STYLE.md)."""
+    """What happened, why, and what to do, in one line."""
     requested = ", ".join(f"{d.field} {d.requested}" for d in diffs)
     wanted = ", ".join(f"{d.field} {d.established}" for d in diffs)
     hint = ""

@@ -6,7 +6,7 @@ RPC is short and CPU-bound in Python (protobuf field access, dict lookups)
 and the backend work is lock-protected in-memory code or a blocking Mooncake
 client call; an event loop adds per-call overhead here without freeing the GIL
 any sooner, while threads let CRC-32 and payload copies (which drop the GIL)
-overlap. The measured baseline in DESIGN.md was taken on this model too.
+overlap. docs/benchmarks.md measures it against a plain gRPC bytes service on this model too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 3 item 9: an unreachable, stalled or restarted store degrades to misses; requests never fail."""
+"""An unreachable, stalled or restarted store degrades to misses; requests never fail."""
 
 from __future__ import annotations
 

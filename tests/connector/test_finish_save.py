@@ -1,4 +1,4 @@
-"""Issue 3 item 6: the finish-time lookahead save job, pinned by delay_free until finished_sending."""
+"""The finish-time lookahead save job, pinned by delay_free until finished_sending."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3 items 3 and 4: external hit lengths per mode, and saves capped at the keyed blocks."""
+"""External hit lengths per mode, and saves capped at the keyed blocks."""
 
 from __future__ import annotations
 

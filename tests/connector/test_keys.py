@@ -1,4 +1,4 @@
-"""Issue 3 item 2: block keys (canonical vectors, key_scheme=vllm), extras, unencodable requests."""
+"""Block keys (canonical vectors, key_scheme=vllm), extras, unencodable requests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 3 item 7: Mamba boundary states, and the finish-time job's state at the prompt boundary.
+"""Mamba boundary states, and the finish-time job's state at the prompt boundary.
 
 Regression for the upstream bug: with a hybrid model, EAGLE and lookahead keys, an aligned prompt
 with max_tokens=1 makes its last block's lookahead key known only at finish. Under EAGLE the core

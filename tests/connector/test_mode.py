@@ -1,4 +1,4 @@
-"""Issue 3 item 1: opt-in, lookahead decision, and the namespace/mode/probe keys sent at session open."""
+"""Opt-in, lookahead decision, and the namespace/mode/probe keys sent at session open."""
 
 from __future__ import annotations
 

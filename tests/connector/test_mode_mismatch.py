@@ -1,4 +1,4 @@
-"""Issue 3 item 11: two engine configs on one service, under `strict` and `isolate`, end to end."""
+"""Two engine configs on one service, under `strict` and `isolate`, end to end."""
 
 from __future__ import annotations
 

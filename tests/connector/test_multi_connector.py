@@ -1,4 +1,4 @@
-"""Issue 3 item 10: kvtag as a child of vLLM's MultiConnector, lookahead only if every child supports it."""
+"""kvtag as a child of vLLM's MultiConnector, lookahead only if every child supports it."""
 
 from __future__ import annotations
 

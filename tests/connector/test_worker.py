@@ -1,4 +1,4 @@
-"""Issue 3 items 5 and 8: worker-side copies on real CPU tensors, drafter timing, load errors, audit."""
+"""Worker-side copies on real CPU tensors, drafter timing, load errors, audit."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tiny random models built locally for the end-to-end suite (nothing comes from a hub).
 
-Sizes follow issue 4: they are the smallest shapes vLLM's CPU backend accepts (block size a
+Sizes are the smallest shapes vLLM's CPU backend accepts (block size a
 multiple of 32, head_dim 32) while still exercising EAGLE, EAGLE3, MTP and a GDN hybrid.
 Weights use a wide init so greedy logits are peaked: near-ties would make the greedy oracle
 flaky for reasons that have nothing to do with kvtag.
