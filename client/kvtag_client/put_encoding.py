@@ -2,7 +2,7 @@
 
 Why: the generated code copies every value into a upb arena that grows by doubling,
 then out into a Python bytes: three fresh buffers per byte sent, which made the
-client 1.56 ns/B of a 1 MiB Put against 0.35 ns/B for this join (docs/benchmarks.md).
+client's 1 MiB Put several times costlier than this join (figures: docs/benchmarks.md).
 Here each value is copied once, into the message. The bytes are exactly what
 `pb.PutRequest(...).SerializeToString(deterministic=True)` produces for the same
 fields (tests/client/test_put_encoding.py checks it with hypothesis), so the

@@ -40,10 +40,9 @@ _DEFAULT_LIMITS = pb.Limits(
 # Room left in each message for framing, session id and per-item overhead.
 _MESSAGE_MARGIN = 64 << 10
 _ITEM_OVERHEAD = 32
-# Large puts are streamed in messages of about this size: measured on loopback (2 busy cores),
-# a 16 MiB batch moves ~0.4-0.5 GB/s as 1 MiB PutStream messages, because serialisation
-# overlaps the server's work, against ~0.05-0.4 GB/s as one 16 MiB Put. A larger single item
-# still travels alone.
+# Large puts are streamed in messages of about this size, so serialisation overlaps the server's work
+# (faster than one large Put: docs/benchmarks.md, "Figures behind choices in the code"). A larger
+# single item still travels alone.
 _STREAM_MESSAGE_TARGET = 1 << 20
 # Codes that mean "the store (or the path to it) is not working right now".
 _OUTAGE_CODES = frozenset(
@@ -773,7 +772,7 @@ class StoreClient:
         estimate = self._value_bytes_estimate or (1 << 20)
         deadline = self._transfer_deadline(estimate * len(blocks))
         valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
-        # Batches above the streaming target go through GetStream (measured ~2x faster, as for puts).
+        # Batches above the streaming target go through GetStream (faster, as for puts: docs/benchmarks.md).
         target = min(self._message_budget(), _STREAM_MESSAGE_TARGET)
         per_rpc = max(1, min(self._batch_size(), target // (estimate + _ITEM_OVERHEAD)))
         chunks = [valid[i : i + self._batch_size()] for i in range(0, len(valid), self._batch_size())]

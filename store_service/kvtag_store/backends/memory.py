@@ -61,8 +61,8 @@ _PUT_CHUNK = 1024
 _StoreKey = tuple[str, BlockAddress]
 
 
-# The checksum of every stored value, chosen here only: xxh3-64. It runs at about 24 GB/s here against
-# 5.7 for zlib's CRC-32 (which cost 26% of a 1 MiB Get's server time) and releases the GIL like it.
+# The checksum of every stored value, chosen here only: xxh3-64. It is several times faster than zlib's
+# CRC-32 (docs/benchmarks.md has the figures and the A/B) and releases the GIL like it.
 # A corrupted value passes unnoticed with probability 2**-64 (CRC-32 catches every single-bit flip
 # for certain, any other damage with 2**-32). Values live in process memory only: nothing persisted
 # depends on the choice.
