@@ -96,7 +96,7 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     """One repeat for one value size: every column on fresh keys, seconds per column."""
     from kvtag.v1 import store_pb2 as pb
     from kvtag_store.backends.base import BlockKey, PutOutcome
-    from kvtag_store.backends.mooncake_format import object_key
+    from kvtag_store.backends.mooncake.format import object_key
 
     tag = os.urandom(4).hex()
     keys = [f"{tag}-{i}".encode() for i in range(count)]
@@ -175,7 +175,7 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_proto import ids
-    from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeSettings, connect
+    from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeSettings, connect
     from mooncake_cluster import MooncakeCluster
     from mooncake_replicas import Replica, mode, namespace
 

@@ -21,9 +21,9 @@ from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_channel
 
 from kvtag_store import logs, report, security_options
-from kvtag_store.backends import mooncake_options
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.mooncake import options as mooncake_options
 from kvtag_store.config import (
     SERVE,
     add_serve_arguments,

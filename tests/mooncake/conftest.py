@@ -14,8 +14,8 @@ HERE = Path(__file__).resolve().parent
 for path in (HERE.parents[1], HERE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
-from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect  # noqa: E402
-from kvtag_store.backends.mooncake_census import MooncakeCensus  # noqa: E402
+from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect  # noqa: E402
+from kvtag_store.backends.mooncake.census import MooncakeCensus  # noqa: E402
 from mooncake_cluster import MooncakeCluster, in_private_netns, settings_for  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtag_store.backends.mooncake import MooncakeSettings
+from kvtag_store.backends.mooncake.backend import MooncakeSettings
 
 BIN = Path(sys.prefix) / "bin"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from kvtag_store.backends.base import BlockAddress, BlockBackend
-from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient
-from kvtag_store.backends.mooncake_census import MooncakeCensus
-from kvtag_store.backends.mooncake_format import HEADER_BYTES, object_key
+from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient
+from kvtag_store.backends.mooncake.census import MooncakeCensus
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 
 from tests.contract.backend_contract import BackendContract, Pair
 

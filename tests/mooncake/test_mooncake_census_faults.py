@@ -17,8 +17,8 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
-from kvtag_store.backends.mooncake import connect
-from kvtag_store.backends.mooncake_format import census_key
+from kvtag_store.backends.mooncake.backend import connect
+from kvtag_store.backends.mooncake.format import census_key
 from mooncake_cluster import MooncakeCluster, settings_for, wait_until
 from mooncake_replicas import Replica, mode, namespace
 

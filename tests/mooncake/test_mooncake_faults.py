@@ -21,8 +21,8 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import parse_error
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
-from kvtag_store.backends.mooncake import MooncakeBackend, MooncakeClient, connect
-from kvtag_store.backends.mooncake_format import HEADER_BYTES, object_key
+from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 from mooncake_cluster import MooncakeCluster, free_port, mooncake_env, settings_for, wait_until
 from mooncake_replicas import KVTAG_STORE, Replica, mode, namespace
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from kvtag_store import config
-from kvtag_store.backends import mooncake_options
+from kvtag_store.backends.mooncake import options as mooncake_options
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from kvtag_store.backends.base import BlockKey, KeyStatus, PutOutcome
-from kvtag_store.backends.mooncake import MooncakeBackend
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
 
 MODE_A = "m-aaaaaaaaaaaaaaaa"
 MODE_B = "m-bbbbbbbbbbbbbbbb"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvtag_store.backends.mooncake_format import (
+from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,
     FormatError,
     decode_header,

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from kvtag_store.backends.base import BlockBackend, CensusStore
-from kvtag_store.backends.mooncake import MooncakeSettings
+from kvtag_store.backends.mooncake.backend import MooncakeSettings
 from kvtag_store.config import env_name as _flag_env_name
 from kvtag_store.config import parse_size as parse_size
 
@@ -103,8 +103,8 @@ def settings_from(args: argparse.Namespace) -> MooncakeSettings:
 
 def build(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
     """Connect to the Mooncake cluster named by the flags."""
-    from kvtag_store.backends.mooncake import MooncakeBackend, connect, read_master_metrics
-    from kvtag_store.backends.mooncake_census import MooncakeCensus
+    from kvtag_store.backends.mooncake.backend import MooncakeBackend, connect, read_master_metrics
+    from kvtag_store.backends.mooncake.census import MooncakeCensus
 
     settings = settings_from(args)
     client = connect(settings)

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
-from kvtag_store.backends.mooncake import MooncakeClient
-from kvtag_store.backends.mooncake_errors import MooncakeCode, describe
-from kvtag_store.backends.mooncake_format import FormatError, census_key, decode_record, encode_record
+from kvtag_store.backends.mooncake.backend import MooncakeClient
+from kvtag_store.backends.mooncake.errors import MooncakeCode, describe
+from kvtag_store.backends.mooncake.format import FormatError, census_key, decode_record, encode_record
 
 log = logging.getLogger(__name__)
 

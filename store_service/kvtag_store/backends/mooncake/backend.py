@@ -1,6 +1,6 @@
 """BlockBackend over a Mooncake Store cluster: tagged, checksummed values that outlive the service.
 
-Every value carries the header of `mooncake_format`, so any replica (or a
+Every value carries the header of `mooncake.format`, so any replica (or a
 restarted one) can verify a value without this process's memory. Mooncake's
 put keeps an existing value and still returns 0, so a put is followed by a
 read of the stored header: only our own writer nonce proves a store happened.
@@ -28,8 +28,8 @@ from kvtag_store.backends.base import (
     PutResult,
     ReadResult,
 )
-from kvtag_store.backends.mooncake_errors import ErrorCounters, MooncakeCode, describe
-from kvtag_store.backends.mooncake_format import (
+from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
+from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,
     FormatError,
     decode_header,
@@ -86,7 +86,7 @@ class MooncakeClient(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MooncakeSettings:
-    """Resolved connection settings (see mooncake_options for the flags that fill them)."""
+    """Resolved connection settings (see mooncake.options for the flags that fill them)."""
 
     master: str
     metrics: str
