@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from kvtag_client.connector.stats import StatsRecorder
 from vllm.v1.request import RequestStatus
 
 from tests.store_process import StoreProcess
@@ -29,6 +30,20 @@ def serve(engine: Engine, req_id: str, prompt: list[int]) -> tuple[int, float]:
     return hit, first_step
 
 
+def counted(connector: Any, *names: str) -> dict[str, int]:
+    """A connector's running totals of `names`, after taking what its client counted."""
+    connector.get_kv_connector_stats()
+    return {name: connector.stats.totals[name] for name in names}
+
+
+def test_stats_recorder_refuses_a_counter_it_does_not_know() -> None:
+    recorder = StatsRecorder()
+    with pytest.raises(KeyError, match="degraded_call"):
+        recorder.add("degraded_call")
+    recorder.add("degraded_calls", 2)
+    assert recorder.totals["degraded_calls"] == 2
+
+
 def test_stalled_store_degrades_to_misses_within_the_deadline_and_recovers(
     make_engine: Callable[..., Engine], start_store: Callable[..., StoreProcess]
 ) -> None:
@@ -45,8 +60,19 @@ def test_stalled_store_degrades_to_misses_within_the_deadline_and_recovers(
         assert hit == 0
         assert first_step < 3.0, f"a lookup against a stalled store took {first_step:.2f}s"
         engine.drain_saves(timeout=30)
-        worker_totals = engine.worker_connector.stats.totals
-        assert worker_totals["dropped_saves"] > 0, "saves during the stall are dropped and counted"
+        # One lookup of 5 blocks failed; one put of the prompt's 5 blocks failed: each failed call
+        # counts once (in the role that made it), each dropped block once.
+        assert counted(engine.connector, "lookups", "miss_blocks", "hit_tokens", "degraded_calls") == {
+            "lookups": 1,
+            "miss_blocks": 5,
+            "hit_tokens": 0,
+            "degraded_calls": 1,
+        }
+        assert counted(engine.worker_connector, "saved_blocks", "dropped_saves", "degraded_calls") == {
+            "saved_blocks": 0,
+            "dropped_saves": 5,
+            "degraded_calls": 1,
+        }
     finally:
         store.resume()
     assert_scheduler_empty(engine.scheduler)
@@ -70,9 +96,23 @@ def test_restarted_store_is_reconnected_and_used_again(
     engine = make_engine(store.endpoint, extra={**FAST, "engine_id": "restart"})
     serve(engine, "first", fresh_prompt(2 * B + 1))
     engine.drain_saves()
+    engine.drain_saves()
+    assert counted(engine.worker_connector, "saved_blocks", "dropped_saves", "degraded_calls") == {
+        "saved_blocks": 2,
+        "dropped_saves": 0,
+        "degraded_calls": 0,
+    }
     store.stop()
     hit, first_step = serve(engine, "down", fresh_prompt(2 * B + 1))
     assert hit == 0 and first_step < 3.0
+    engine.drain_saves()
+    # While the store is down: one lookup and one put (2 blocks) fail, each counted once.
+    assert counted(engine.connector, "lookups", "degraded_calls") == {"lookups": 2, "degraded_calls": 1}
+    assert counted(engine.worker_connector, "saved_blocks", "dropped_saves", "degraded_calls") == {
+        "saved_blocks": 2,
+        "dropped_saves": 2,
+        "degraded_calls": 1,
+    }
     store2 = start_store(port=port)  # empty: a restart without persistence loses everything
     assert store2.endpoint == store.endpoint
     prompt = fresh_prompt(2 * B + 1)
@@ -127,4 +167,7 @@ def test_rejected_puts_are_counted_as_dropped_and_the_request_finishes(
     assert hit == 0
     assert totals["saved_blocks"] == 0
     assert totals["dropped_saves"] == 3
+    assert counted(engine.worker_connector, "degraded_calls") == {"degraded_calls": 0}, (
+        "a put the store answered (REJECTED) is a dropped save, not a degraded call"
+    )
     assert_scheduler_empty(engine.scheduler)

@@ -98,12 +98,15 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
         return self.lookahead.tokens
 
     def _reset_session(self) -> None:
-        if self._client is not None:
-            self._client.close()
-        self._client = None
+        """Release the scheduler's leases, then close the session (its degraded calls counted first)."""
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None
+        self._count_degraded_calls()
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+        self._reported_degraded = 0
 
     def namespace_descriptor(self) -> Any:
         tp_rank = 0
@@ -262,19 +265,20 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        if self._scheduler is not None:
-            self._scheduler.close()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._reset_session()
 
     # ---- stats ---------------------------------------------------------------------------------
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+    def _count_degraded_calls(self) -> None:
+        """Take the client's new degraded calls: the client counts each failed or skipped call once,
+        at the call; nothing in the connector counts them again."""
         if self._client is not None:
-            degraded = int(self._client.counters.snapshot().get("degraded_calls", 0))
+            degraded = int(self._client.counters.snapshot()["degraded_calls"])
             self.stats.add("degraded_calls", degraded - self._reported_degraded)
             self._reported_degraded = degraded
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        self._count_degraded_calls()
         return self.stats.take()
 
     @classmethod

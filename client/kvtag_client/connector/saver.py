@@ -142,8 +142,8 @@ class Saver:
             batch = work.items[start : start + self._batch]
             statuses = client.put(batch)
             if statuses is None:
+                # The client counted the failed call itself (degraded_calls); this counts the blocks.
                 self._stats.add("dropped_saves", len(batch))
-                self._stats.add("degraded_calls")
                 continue
             for (group, key, value, _), status in zip(batch, statuses, strict=False):
                 if status in (pb.STORED, pb.ALREADY_PRESENT):
@@ -159,8 +159,8 @@ class Saver:
         reservation = work.reservation
         statuses = client.commit(reservation)
         if statuses is None:
+            # The client counted the failed call itself (degraded_calls); this counts the blocks.
             self._stats.add("dropped_saves", len(reservation.items))
-            self._stats.add("degraded_calls")
             return
         for (group, key, length, _), status in zip(reservation.items, statuses, strict=False):
             if status in (pb.STORED, pb.ALREADY_PRESENT):

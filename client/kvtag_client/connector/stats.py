@@ -66,11 +66,14 @@ class StatsRecorder:
         self.totals: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     def add(self, name: str, amount: int = 1) -> None:
+        """Count `amount` events of `name`; a name outside COUNTERS is a bug, not a new counter."""
+        if name not in self.totals:
+            raise KeyError(f"unknown kvtag connector counter {name!r}; known: {', '.join(COUNTERS)}")
         if amount == 0:
             return
         with self._lock:
-            self._interval[name] = self._interval.get(name, 0) + amount
-            self.totals[name] = self.totals.get(name, 0) + amount
+            self._interval[name] += amount
+            self.totals[name] += amount
 
     def take(self) -> KvtagStats | None:
         with self._lock:
