@@ -38,9 +38,9 @@ from typing import Any
 from provenance import git_describe
 
 REPO = Path(__file__).resolve().parents[1]
-# The cluster and replica helpers of the Mooncake tests (top-level modules there).
-if str(REPO / "tests" / "mooncake") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests" / "mooncake"))
+# The cluster and replica helpers of the Mooncake tests (the `tests.mooncake` package).
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -50,7 +50,7 @@ MODE = "m-0123456789abcdef"
 
 def reexec_in_private_netns() -> None:
     """Mooncake's transfer engine listens on all interfaces: run where only loopback exists."""
-    from mooncake_cluster import in_private_netns
+    from tests.mooncake.mooncake_cluster import in_private_netns
 
     if in_private_netns():
         return
@@ -176,8 +176,10 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_proto import ids
     from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeSettings, connect
-    from mooncake_cluster import MooncakeCluster
-    from mooncake_replicas import Replica, mode, namespace
+
+    from tests.descriptors import mode, namespace
+    from tests.mooncake.mooncake_cluster import MooncakeCluster
+    from tests.mooncake.mooncake_replicas import Replica
 
     sizes = [64 * KiB, 1 * MiB] if args.quick else [64 * KiB, 1 * MiB, 4 * MiB]
     repeats = 2 if args.quick else 3

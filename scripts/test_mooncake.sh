@@ -9,5 +9,5 @@ scripts/install_mooncake.sh
 
 export GLOG_minloglevel="${GLOG_minloglevel:-2}"
 # shellcheck disable=SC2016 # the inner bash expands $0 (the venv's python) and $@ (pytest's args)
-exec unshare -n -- bash -c 'ip link set lo up && exec "$0" -m pytest -q -p no:cacheprovider --import-mode=importlib --timeout=120 "$@" tests/mooncake' \
+exec unshare -n -- bash -c 'ip link set lo up && exec "$0" -m pytest -q -p no:cacheprovider --timeout=120 "$@" tests/mooncake' \
   "$VENV/bin/python" "$@"

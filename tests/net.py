@@ -14,11 +14,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll `condition` until true; return the seconds it took, fail after timeout_s."""
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> float:
+    """Poll `condition` every interval_s until true; return the seconds it took, fail after timeout_s."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(interval_s)
     return time.monotonic() - start

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.census import MooncakeCensus
 
-HERE = Path(__file__).resolve().parent
-# `tests.contract` resolves from the repository root; this folder's helpers are top-level modules
-# (mooncake_cluster, mooncake_replicas): as a package it would be named `mooncake` and shadow the wheel.
-for path in (HERE.parents[1], HERE):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect  # noqa: E402
-from kvtag_store.backends.mooncake.census import MooncakeCensus  # noqa: E402
-from mooncake_cluster import MooncakeCluster, in_private_netns, settings_for  # noqa: E402
+from .mooncake_cluster import MooncakeCluster, in_private_netns, settings_for
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,12 +12,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtag_store.backends.mooncake.backend import MooncakeSettings
+
+from tests.net import free_port, wait_until
 
 BIN = Path(sys.prefix) / "bin"
 
@@ -33,21 +34,6 @@ def require_private_netns() -> None:
             "Mooncake processes listen on all interfaces; run inside `unshare -n` with `ip link set lo up` "
             "(scripts/test_mooncake.sh does)"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_until(predicate: object, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if callable(predicate) and predicate():
-            return
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def metrics(address: str) -> dict[str, float]:
@@ -108,27 +94,47 @@ class MooncakeCluster:
     def capacity(self) -> int:
         return int(metrics(self.metrics_address).get("master_total_capacity_bytes", 0))
 
-    def start_storage(self, segment_bytes: int = 64 << 20) -> subprocess.Popen[bytes]:
-        """A storage process (Mooncake's standalone client) contributing one segment."""
+    def start_storage(self, segment_bytes: int = 64 << 20, attempts: int = 3) -> subprocess.Popen[bytes]:
+        """A storage process (Mooncake's standalone client) contributing one segment.
+
+        About one start in 25 the process never mounts its segment and its log loops on "Client
+        not available"; such a process is killed and a new one started on a fresh port.
+        """
         require_private_netns()
         before = self.capacity()
-        log = open(self.workdir / f"storage{len(self.storage)}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                str(BIN / "mooncake_client"),
-                "--host=127.0.0.1",
-                "--metadata_server=P2PHANDSHAKE",
-                f"--master_server_address={self.master_address}",
-                f"--global_segment_size={segment_bytes}",
-                "--protocol=tcp",
-                f"--port={free_port()}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.storage.append(proc)
-        wait_until(lambda: self.capacity() >= before + segment_bytes, 15, "the storage segment to mount")
-        return proc
+        for attempt in range(1, attempts + 1):
+            log_path = self.workdir / f"storage{len(self.storage)}.log"
+            log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
+            proc = subprocess.Popen(
+                [
+                    str(BIN / "mooncake_client"),
+                    "--host=127.0.0.1",
+                    "--metadata_server=P2PHANDSHAKE",
+                    f"--master_server_address={self.master_address}",
+                    f"--global_segment_size={segment_bytes}",
+                    "--protocol=tcp",
+                    f"--port={free_port()}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                wait_until(
+                    lambda: self.capacity() >= before + segment_bytes, 15, "the storage segment to mount"
+                )
+            except AssertionError:  # wait_until's timeout
+                proc.kill()
+                proc.wait(5)
+                print(
+                    f"storage node never mounted (attempt {attempt}, log {log_path}); retrying",
+                    file=sys.stderr,
+                )
+                if attempt == attempts:
+                    raise
+                continue
+            self.storage.append(proc)
+            return proc
+        raise AssertionError("unreachable")
 
     def kill_storage(self) -> None:
         for proc in self.storage:

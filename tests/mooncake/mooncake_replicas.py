@@ -12,31 +12,13 @@ from typing import Any
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from mooncake_cluster import MooncakeCluster, free_port, mooncake_env
+
+from tests.descriptors import PROBE
+from tests.net import free_port
+
+from .mooncake_cluster import MooncakeCluster, mooncake_env
 
 KVTAG_STORE = Path(sys.prefix) / "bin" / "kvtag-store"
-PROBE = [b"probe-key-0", b"probe-key-1"]
-
-
-def namespace(model: str) -> pb.NamespaceDescriptor:
-    return pb.NamespaceDescriptor(
-        model_name=model,
-        weights_fingerprint="sha256:abc",
-        kv_dtype="bfloat16",
-        kv_layout="attn:1x4096",
-        block_size=16,
-        parallel_sharding="tp=1/rank=0",
-    )
-
-
-def mode(lookahead: int = 1) -> pb.HashingMode:
-    return pb.HashingMode(
-        key_scheme="canonical",
-        scheme_version="1",
-        hash_algorithm="sha256",
-        hash_block_size=16,
-        lookahead_tokens=lookahead,
-    )
 
 
 @dataclass

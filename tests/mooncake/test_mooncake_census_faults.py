@@ -19,8 +19,12 @@ from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
 from kvtag_store.backends.mooncake.backend import connect
 from kvtag_store.backends.mooncake.format import census_key
-from mooncake_cluster import MooncakeCluster, settings_for, wait_until
-from mooncake_replicas import Replica, mode, namespace
+
+from tests.descriptors import mode, namespace
+from tests.net import wait_until
+
+from .mooncake_cluster import MooncakeCluster, settings_for
+from .mooncake_replicas import Replica
 
 ESTABLISHED = mode(lookahead=1)
 OTHER = mode(lookahead=0)

@@ -23,8 +23,12 @@ from kvtag_proto.errors import parse_error
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
 from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
-from mooncake_cluster import MooncakeCluster, free_port, mooncake_env, settings_for, wait_until
-from mooncake_replicas import KVTAG_STORE, Replica, mode, namespace
+
+from tests.descriptors import mode, namespace
+from tests.net import free_port, wait_until
+
+from .mooncake_cluster import MooncakeCluster, mooncake_env, settings_for
+from .mooncake_replicas import KVTAG_STORE, Replica
 
 MODE = "m-0123456789abcdef"
 

@@ -61,3 +61,11 @@ def test_default_local_buffer_is_64_mib() -> None:
 def test_malformed_size_is_refused() -> None:
     with pytest.raises(ValueError, match="not a size"):
         mooncake_options.parse_size("lots")
+
+
+def test_this_suite_does_not_shadow_the_mooncake_wheel() -> None:
+    """The suite is the package `tests.mooncake`; with its folder on sys.path it would be `mooncake`."""
+    import mooncake.store
+
+    assert Path(mooncake.store.__file__).resolve().parents[1] != Path(__file__).resolve().parents[1]
+    assert "site-packages" in Path(mooncake.store.__file__).parts

@@ -15,7 +15,8 @@ import pytest
 from kvtag_store.backends.base import BackendUnavailable, BlockAddress, BlockKey, KeyStatus, PutOutcome
 from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
-from mooncake_cluster import MooncakeCluster, settings_for
+
+from .mooncake_cluster import MooncakeCluster, settings_for
 
 MODE = "m-0123456789abcdef"
 OTHER_MODE = "m-fedcba9876543210"

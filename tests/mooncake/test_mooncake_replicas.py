@@ -11,8 +11,11 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
-from mooncake_cluster import MooncakeCluster
-from mooncake_replicas import Replica, mode, namespace
+
+from tests.descriptors import mode, namespace
+
+from .mooncake_cluster import MooncakeCluster
+from .mooncake_replicas import Replica
 
 Pair = tuple[Replica, Replica]
 STRICT_MODEL = "strict-model-" + uuid.uuid4().hex[:8]
