@@ -13,14 +13,14 @@ COV := --cov-report=term-missing:skip-covered
 CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin,$(basename $(notdir $(wildcard client/kvtag_client/*.py)))))
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
-        test-service test-client test-connector test-e2e test-mooncake test-container \
+        test-service test-client test-connector test-e2e test-mooncake test-status test-container \
         bench bench-mooncake bench-hit-rate clean
 
 run: $(STAMPS)/service
 	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
 
 # Everything CI runs, in order of cost.
-test: check test-service test-client test-mooncake test-connector test-e2e test-container
+test: check test-service test-client test-mooncake test-connector test-e2e test-status test-container
 
 # The inner loop: static checks and the service suite (no vLLM, no Mooncake, no containers).
 test-fast: check
@@ -79,6 +79,10 @@ test-connector: $(STAMPS)/vllm $(STAMPS)/service
 
 test-e2e: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q tests/e2e
+
+# The status page in Debian's headless chromium (installed by the script); screenshots in tests/artifacts/.
+test-status: $(STAMPS)/dev
+	scripts/test_status.sh
 
 test-container: $(STAMPS)/dev
 	scripts/test_container.sh
