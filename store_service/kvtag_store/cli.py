@@ -20,7 +20,7 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_channel
 
-from kvtag_store import logs, report, security_options
+from kvtag_store import logs, report, security_options, watch
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.backends.mooncake import options as mooncake_options
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_client_security_arguments(sub)
         if name == "diagnose":
             sub.add_argument("--namespace", default="", help="only this namespace_id")
+            sub.add_argument("--watch", action="store_true", help="redraw until Ctrl-C, marking what changed")
+            sub.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
         if name != "health":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -232,6 +234,8 @@ def health_check(target: str, timeout: float, security: ChannelSecurity | None =
 
 
 def query(args: argparse.Namespace, security: ChannelSecurity) -> int:
+    if args.command == "diagnose" and args.watch:
+        return watch_diagnose(args, security)
     with open_channel(args.target, security) as channel:
         stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
         try:
@@ -261,6 +265,25 @@ def query(args: argparse.Namespace, security: ChannelSecurity) -> int:
     else:
         print(report.stats_table(answer))
     return 0
+
+
+def watch_diagnose(args: argparse.Namespace, security: ChannelSecurity) -> int:
+    if args.json or args.interval <= 0:
+        print("diagnose --watch draws the table: drop --json; --interval must be > 0", file=sys.stderr)
+        return 2
+    with open_channel(args.target, security) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+
+        def fetch() -> str:
+            try:
+                answer = stub.Diagnose(pb.DiagnoseRequest(namespace_id=args.namespace), timeout=args.timeout)
+            except grpc.RpcError as exc:
+                return f"cannot reach the store at {args.target}: {_describe(exc)}"
+            return report.diagnose_table(answer)
+
+        return watch.run(
+            fetch, sys.stdout, title=f"kvtag-store diagnose {args.target}", interval_s=args.interval
+        )
 
 
 def _describe(exc: grpc.RpcError) -> str:
