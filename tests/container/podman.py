@@ -135,16 +135,16 @@ def remove(name: str) -> None:
 
 
 class ComposeProject:
-    """One `podman-compose -p PROJECT -f FILE` stack, torn down with its networks."""
+    """One `podman-compose -p PROJECT -f FILE [-f OVERLAY...]` stack, torn down with its networks."""
 
-    def __init__(self, file: str, project: str, env: dict[str, str]) -> None:
-        self.file = str(REPO / file)
+    def __init__(self, file: str, project: str, env: dict[str, str], overlays: tuple[str, ...] = ()) -> None:
+        self.files = [str(REPO / f) for f in (file, *overlays)]
         self.project = project
         self.env = {**os.environ, **env}
 
     def compose(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
-            ["podman-compose", "-p", self.project, "-f", self.file, *args],
+            ["podman-compose", "-p", self.project, *(a for f in self.files for a in ("-f", f)), *args],
             capture_output=True,
             text=True,
             env=self.env,

