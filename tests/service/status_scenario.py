@@ -18,6 +18,7 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto import ids
+from kvtag_proto.channels import ChannelSecurity, open_channel
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.server import start_server
@@ -61,13 +62,22 @@ class Scenario:
         document: dict[str, Any] = json.loads(body)
         return document
 
+    def status_as(self, token: str) -> dict[str, Any]:
+        code, _, body = self.fetch("/api/v1/status", {"Authorization": f"Bearer {token}"})
+        assert code == 200, body
+        document: dict[str, Any] = json.loads(body)
+        return document
+
     def close(self) -> None:
         self.channel.close()
         self.store.server.stop(grace=0)
 
 
-def start(history_interval_s: float = 60.0, **serve: Any) -> Scenario:
-    """A server with the HTTP port on 127.0.0.1:0, the strict namespace configured, scenario not run."""
+def start(
+    history_interval_s: float = 60.0, channel_security: ChannelSecurity | None = None, **serve: Any
+) -> Scenario:
+    """A server with the HTTP port on 127.0.0.1:0, the strict namespace configured, scenario not run.
+    `channel_security` is how the scenario's engines call it (a token when `serve` has security)."""
     strict_id = ids.namespace_id(STRICT_NS)
     backend = MemoryBackend(16 << 20)
     server = start_server(
@@ -79,7 +89,7 @@ def start(history_interval_s: float = 60.0, **serve: Any) -> Scenario:
         history_interval_s=history_interval_s,
         **serve,
     )
-    channel = grpc.insecure_channel(server.address)
+    channel = open_channel(server.address, channel_security or ChannelSecurity(use_env_token=False))
     store = Store(server=server, stub=store_pb2_grpc.KvStoreStub(channel), backend=backend)  # type: ignore[no-untyped-call]
     return Scenario(
         store=store,

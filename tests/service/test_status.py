@@ -6,18 +6,25 @@ misses and a probe disagreement, and a strict namespace with a refused engine.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from kvtag_proto.channels import ChannelSecurity
 from kvtag_store import status_page
+from kvtag_store.auth import TokenRegistry
+from kvtag_store.security_options import Security
 
 from . import status_scenario as sc
+from .security_harness import Grant, write_tokens
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "status.schema.json").read_text())
 
@@ -162,3 +169,60 @@ def test_http_port_keeps_metrics_and_refuses_unknown_paths(scenario: sc.Scenario
     hits = f'mode="{scenario.lookahead_mode}",namespace="{scenario.split_ns}",status="hit"'
     assert f"kvtag_mode_keys_total{{{hits}}} 2.0" in metrics
     assert scenario.fetch("/nothing-here")[0] == 404
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[sc.Scenario, dict[str, str]]]:
+    """The scenario on a store with tokens: the page needs a viewer or admin token."""
+    directory = tmp_path_factory.mktemp("status-auth")
+    grants: list[Grant] = [
+        ("admin", "admin", ["*"]),
+        ("viewer-strict", "viewer", ["team-strict"]),
+        ("engine-split", "engine", ["team-split"]),
+    ]
+    tokens = write_tokens(directory / "tokens.toml", grants)
+    (directory / "admin.token").write_text(tokens["admin"] + "\n")
+    s = sc.start(
+        security=Security(tokens=TokenRegistry.from_file(directory / "tokens.toml")),
+        channel_security=ChannelSecurity(token_file=str(directory / "admin.token"), use_env_token=False),
+    )
+    try:
+        sc.run(s)
+        yield s, tokens
+    finally:
+        s.close()
+
+
+def test_with_tokens_the_page_needs_a_viewer_and_shows_only_its_tenants(
+    secured: tuple[sc.Scenario, dict[str, str]],
+) -> None:
+    s, tokens = secured
+    for path in ("/", "/api/v1/status"):
+        code, _, body = s.fetch(path)
+        assert code == 401 and "token" in body, body
+        assert s.fetch(path, {"Authorization": "Bearer kvt_not-a-token"})[0] == 401
+        assert s.fetch(path, {"Authorization": f"Bearer {tokens['engine-split']}"})[0] == 403
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(s.http + "/", timeout=10)
+    assert refused.value.headers["WWW-Authenticate"] == 'Basic realm="kvtag status"'
+
+    viewer = {"Authorization": f"Bearer {tokens['viewer-strict']}"}
+    code, _, body = s.fetch("/api/v1/status", viewer)
+    doc = json.loads(body)
+    jsonschema.validate(doc, SCHEMA)
+    assert [n["namespace_id"] for n in doc["namespaces"]] == [s.strict_ns]
+    assert doc["store"]["store_wide"] is None, "a tenant viewer sees no store-wide figures"
+    # ?tenant= narrows a view; it never widens it.
+    code, _, body = s.fetch("/api/v1/status?tenant=team-split", viewer)
+    assert json.loads(body)["namespaces"] == []
+    # A browser sends the token as the Basic password (it prompts on the 401, no JavaScript).
+    basic = base64.b64encode(f"me:{tokens['viewer-strict']}".encode()).decode()
+    code, _, page = s.fetch("/", {"Authorization": f"Basic {basic}"})
+    assert code == 200 and s.strict_ns in page and s.split_ns not in page
+    assert "engine-lookahead" not in page
+
+    admin = s.status_as(tokens["admin"])
+    assert {n["namespace_id"] for n in admin["namespaces"]} == {s.split_ns, s.strict_ns}
+    assert admin["store"]["store_wide"]["used_bytes"] == 7 * 512
+    # /metrics is not the status page's to gate (docs/security.md says how to expose the port).
+    assert s.fetch("/metrics")[0] == 200
