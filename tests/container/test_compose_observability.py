@@ -11,6 +11,7 @@ import json
 import os
 import re
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -38,10 +39,14 @@ def _get(url: str) -> Any:
 
 
 def _query(port: int, expr: str) -> dict[str, Any]:
-    answer: dict[str, Any] = _get(
-        f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    )
-    return answer
+    """Prometheus's answer to an instant query; a rejected query's answer (HTTP 400) too."""
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            document: dict[str, Any] = json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        document = json.loads(exc.read())
+    return document
 
 
 def _wait(what: str, check: Any, timeout_s: float = 90) -> Any:
