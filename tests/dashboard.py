@@ -4,6 +4,7 @@ it against a live /metrics (tests/service) and a real Prometheus (tests/containe
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,13 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
+LABEL_VALUES = re.compile(r"^label_values\((?P<metric>[^,]+),\s*(?P<label>\w+)\)$")
+
+
 def as_prometheus_query(expr: str) -> str:
-    """The expression as Grafana would send it with every namespace selected."""
+    """The expression as Grafana would send it with every namespace selected. A variable's
+    `label_values(metric, label)` is Grafana's, not PromQL: it becomes `group by (label) (metric)`,
+    which selects the same series."""
+    if match := LABEL_VALUES.match(expr):
+        return f"group by ({match['label']}) ({match['metric']})"
     return expr.replace("$namespace", ".*").replace("$__rate_interval", "1m")

@@ -147,6 +147,10 @@ def test_prometheus_scrapes_the_store_and_evaluates_every_dashboard_query(
     for where, expr in dashboards.queries(dashboards.load()):
         answer = _query(port, dashboards.as_prometheus_query(expr))
         assert answer["status"] == "success", f"{where}: {expr}: {answer}"
+        if where == "variable namespace":  # the namespace picker offers the split's namespace
+            assert [r["metric"]["namespace"] for r in answer["data"]["result"]] == [
+                series["metric"]["namespace"]
+            ]
     hit_rate = next(
         expr for where, expr in dashboards.queries(dashboards.load()) if where == "Hit rate per mode"
     )
