@@ -165,6 +165,44 @@ def _wait_for(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def _inject_state_fault(llm: Any, fault: str) -> None:
+    """A fault in the Mamba state the store serves this engine, for the hybrid controls.
+
+    Every state block a load receives is either replaced by zeros ("zero": a wrong state with the
+    right size) or not delivered ("fail": a Get that failed, so the connector reports the load error
+    and vLLM recomputes). Attention KV is untouched. Both StoreClient read paths are wrapped: the
+    shared-memory `get_into` (what engines on the store's host use) and inline `get`.
+    """
+    from kvtag_client.connector.groups import classify
+    from kvtag_client.store import StoreClient
+
+    state_groups = set(classify(_core(llm).scheduler.kv_cache_config).state_groups)
+    assert state_groups, "a Mamba-state fault needs a hybrid model"
+    real_get, real_get_into = StoreClient.get, StoreClient.get_into
+
+    def get(self: Any, blocks: Any, lease_id: str = "") -> list[bytes | None]:
+        values: list[bytes | None] = real_get(self, blocks, lease_id)
+        for n, (group, _key) in enumerate(blocks):
+            value = values[n]
+            if group in state_groups and value is not None:
+                values[n] = bytes(len(value)) if fault == "zero" else None
+        return values
+
+    def get_into(
+        self: Any, blocks: Any, lease_id: str, sink: Callable[[int, memoryview], bool]
+    ) -> list[bool]:
+        def faulty_sink(n: int, source: memoryview) -> bool:
+            if blocks[n][0] not in state_groups:
+                return sink(n, source)
+            return fault == "zero" and sink(n, memoryview(bytes(source.nbytes)))
+
+        served: list[bool] = real_get_into(self, blocks, lease_id, faulty_sink)
+        return served
+
+    StoreClient.get = get  # type: ignore[method-assign]
+    StoreClient.get_into = get_into  # type: ignore[method-assign]
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -191,6 +229,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**engine_kwargs)
     startup_s = time.perf_counter() - started
     core = _core(llm)
+    if job.get("mamba_state_fault"):
+        _inject_state_fault(llm, job["mamba_state_fault"])
     scheduler_connector = getattr(core.scheduler, "connector", None)
     timer = _SchedulerTimer(scheduler_connector) if scheduler_connector is not None else None
 

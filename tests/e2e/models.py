@@ -23,6 +23,10 @@ KV_HEADS = 2
 HEAD_DIM = 32
 INTERMEDIATE = 256
 INIT_STD = 0.35
+# Qwen3-Next's GDN layer: slow decay and small gate projections, so its state matters (see below).
+GDN_A_LOG = -4.0
+GDN_DT_BIAS = -4.0
+GDN_GATE_STD = 0.02
 
 _WORD_TEXT = (
     "the a of to and in is was for on with as by at from that this it he she they we you "
@@ -199,7 +203,8 @@ def build_mimo(out: Path, seed: int = 4) -> Path:
 def build_qwen3_next(out: Path, seed: int = 3) -> Path:
     """Hybrid GDN + attention: 2 layers (linear_attention, full_attention), 4-expert MoE, bf16.
 
-    vLLM's Qwen3Next needs at least one sparse-MoE layer, so the MoE stays (tiny).
+    vLLM's Qwen3Next needs at least one sparse-MoE layer, so the MoE stays (tiny). The GDN layer
+    decays slowly so its state carries the prefix: the hybrid oracle must see a wrong state.
     """
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -228,7 +233,20 @@ def build_qwen3_next(out: Path, seed: int = 3) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
+    model = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gdn = getattr(layer, "linear_attn", None)
+            if gdn is None:
+                continue
+            # A long memory: decay exp(-exp(A_log) * softplus(a + dt_bias)) per token stays near 1
+            # (A_log about -4, softplus(-4) about 0.02), so the state carries the whole prefix and a
+            # missing or wrong state changes the output. Hub-like init (A_log up to 2.8, dt_bias 1,
+            # wide projections) forgets within about a token.
+            gdn.A_log.fill_(GDN_A_LOG)
+            gdn.dt_bias.fill_(GDN_DT_BIAS)
+            gdn.in_proj_ba.weight.normal_(0.0, GDN_GATE_STD)
+    model = model.to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     build_tokenizer(out)

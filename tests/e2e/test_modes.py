@@ -15,7 +15,7 @@ import pytest
 
 from tests.store_process import StoreProcess
 
-from .harness import kv_transfer_config, prompt, run_engine
+from .harness import EngineRun, kv_transfer_config, prompt, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +28,14 @@ HYBRID_PROMPTS = [prompt(5, 300), prompt(6, 256), prompt(7, 420)]
 # audits) blocks of its own, not only re-saves the cold engine's.
 LLAMA_EXTENSION = [LLAMA_PROMPTS[0] + prompt(8, 70)]
 HYBRID_EXTENSION = [HYBRID_PROMPTS[0] + prompt(9, 200)]
+# The hybrid cut-back: the cold engine alone runs CUT_SOURCE and its one-block-and-a-bit prefix, so
+# the store holds CUT_SOURCE's attention KV for blocks 0-2 of vLLM's hybrid block (128 tokens) but
+# its Mamba state only where a prefill chunk ended: after 128 tokens (the prefix) and 384 (the
+# source). The warm engine's CUT_PROBE shares CUT_SOURCE's first 256 tokens: two blocks of KV hit,
+# the state after 256 is missing, so the hit must be cut back to 128.
+CUT_SOURCE = prompt(10, 420)
+HYBRID_COLD_ONLY = [CUT_SOURCE[:140], CUT_SOURCE]
+CUT_PROBE = CUT_SOURCE[:256] + prompt(11, 44)
 MAX_TOKENS = 8
 
 MODES = ("spec_off", "eagle_legacy", "eagle_lookahead", "eagle3_lookahead", "mtp_lookahead", "hybrid")
@@ -40,19 +48,33 @@ DRAFTERS = {
 }
 
 
+# Hybrid engines over the store the hybrid cold and warm runs filled, each with a fault in the Mamba
+# state the store serves them (engine_runner.py): a zeroed state, and a state whose Get fails.
+STATE_FAULTS = {"hybrid_state_zeroed": "zero", "hybrid_state_get_fails": "fail"}
+
+
+def _hybrid_job(models: dict[str, Path], endpoint: str, seed: int, role: str) -> dict[str, Any]:
+    steps = [{"prompts": HYBRID_PROMPTS, "max_tokens": MAX_TOKENS}]
+    if role == "cold":
+        steps.append({"prompts": HYBRID_COLD_ONLY, "max_tokens": MAX_TOKENS})
+    elif role in ("warm", "fail"):
+        steps.append({"prompts": [*HYBRID_EXTENSION, CUT_PROBE], "max_tokens": MAX_TOKENS})
+    job = {
+        "model": str(models["qwen3_next"]),
+        "dtype": "bfloat16",
+        "mamba_cache_mode": "align",
+        "seed": seed,
+        "kv_transfer_config": kv_transfer_config(endpoint),
+        "steps": steps,
+    }
+    if role in ("zero", "fail"):
+        job["mamba_state_fault"] = role
+    return job
+
+
 def _job(mode: str, models: dict[str, Path], endpoint: str, seed: int, warm: bool) -> dict[str, Any]:
     if mode == "hybrid":
-        steps = [{"prompts": HYBRID_PROMPTS, "max_tokens": MAX_TOKENS}]
-        if warm:
-            steps.append({"prompts": HYBRID_EXTENSION, "max_tokens": MAX_TOKENS})
-        return {
-            "model": str(models["qwen3_next"]),
-            "dtype": "bfloat16",
-            "mamba_cache_mode": "align",
-            "seed": seed,
-            "kv_transfer_config": kv_transfer_config(endpoint),
-            "steps": steps,
-        }
+        return _hybrid_job(models, endpoint, seed, "warm" if warm else "cold")
     job: dict[str, Any] = {
         "model": str(models["mimo" if mode == "mtp_lookahead" else "llama"]),
         "block_size": BLOCK,
@@ -81,6 +103,19 @@ def mode_runs(
     cache: dict[str, dict[str, Any]] = {}
 
     def get(mode: str) -> dict[str, Any]:
+        if mode in STATE_FAULTS and mode not in cache:
+            # Both faulty engines at once (they only read what the hybrid runs stored, and re-put it).
+            store = get("hybrid")["store"]
+            engines = {
+                name: EngineRun(_hybrid_job(models, store.endpoint, 99, fault), work_dir, name).start()
+                for name, fault in STATE_FAULTS.items()
+            }
+            try:
+                for name, engine in engines.items():
+                    cache[name] = {"warm": engine.result()}
+            finally:
+                for engine in engines.values():
+                    engine.kill()
         if mode not in cache:
             store = start_store()
             cold_job = _job(mode, models, store.endpoint, seed=0, warm=False)
@@ -179,3 +214,62 @@ def test_audit_finds_no_mismatch_in_the_warm_engine(
     warm = mode_runs(mode)["warm"]["connector_totals"]
     assert warm.get("audit_checked_blocks", 0) > 0, f"{mode}: the warm engine audited nothing: {warm}"
     assert warm.get("audit_mismatches", 0) == 0, f"{mode}: audit found mismatches: {warm}"
+
+
+def test_hybrid_oracle_sees_the_mamba_state_a_zeroed_state_changes_the_greedy_tokens(
+    mode_runs: Callable[[str], dict[str, Any]],
+) -> None:
+    """The control that proves the hybrid warm==cold oracle can fail: same hits and attention KV, but
+    the loaded GDN state replaced by zeros. The test model's slow decay makes the state matter."""
+    cold = _requests(mode_runs("hybrid")["cold"])
+    warm = _requests(mode_runs("hybrid")["warm"])
+    zeroed = _requests(mode_runs("hybrid_state_zeroed")["warm"])
+    for index, (c, w, z) in enumerate(zip(cold, warm, zeroed, strict=True)):
+        assert z["external_hit"] == w["external_hit"] > 0, f"prompt {index}: {z} {w}"
+        assert z["token_ids"] != c["token_ids"], (
+            f"prompt {index}: greedy tokens did not change with a zeroed Mamba state after a "
+            f"{z['external_hit']}-token hit, so the warm==cold oracle cannot see the state"
+        )
+
+
+def test_hybrid_hits_end_on_exact_block_boundaries(mode_runs: Callable[[str], dict[str, Any]]) -> None:
+    """Every state the cold engine stored is at the prompt's last full block short of its last token."""
+    runs = mode_runs("hybrid")
+    block = int(runs["warm"]["block_size"])
+    assert block == 128, f"the hybrid prompts are sized for vLLM's 128-token hybrid block, got {block}"
+    for index, request in enumerate(_requests(runs["warm"])):
+        expected = (request["prompt_len"] - 1) // block * block
+        assert request["num_cached_tokens"] == request["external_hit"] == expected, (index, request)
+
+
+def test_hybrid_hit_is_cut_back_to_the_last_boundary_whose_state_is_stored(
+    mode_runs: Callable[[str], dict[str, Any]],
+) -> None:
+    """CUT_PROBE finds two blocks of attention KV but the Mamba state only after the first block."""
+    runs = mode_runs("hybrid")
+    block = int(runs["warm"]["block_size"])
+    probe = runs["warm"]["steps"][1]["requests"][-1]
+    assert probe["prompt_len"] == len(CUT_PROBE)
+    assert probe["num_cached_tokens"] == probe["external_hit"] == block, (
+        f"CUT_PROBE shares {2 * block} tokens of stored KV with CUT_SOURCE, whose state is stored "
+        f"after {block} and {3 * block} tokens only: the hit must stop at {block}: {probe}"
+    )
+    # Its greedy tokens equal those of an engine that recomputed the whole prompt (every state Get
+    # failed there), so the state loaded at the cut boundary was the right one.
+    recomputed = mode_runs("hybrid_state_get_fails")["warm"]["steps"][1]["requests"][-1]
+    assert probe["token_ids"] == recomputed["token_ids"], (probe, recomputed)
+
+
+def test_hybrid_state_get_failure_recomputes_with_identical_tokens(
+    mode_runs: Callable[[str], dict[str, Any]],
+) -> None:
+    """Every state block's Get fails: the connector reports the loads failed and vLLM recomputes."""
+    cold = _requests(mode_runs("hybrid")["cold"])
+    failed = mode_runs("hybrid_state_get_fails")["warm"]
+    for index, (c, f) in enumerate(zip(cold, _requests(failed), strict=True)):
+        assert f["token_ids"] == c["token_ids"], f"prompt {index}: output changed when the state Get failed"
+    totals = failed["connector_totals"]
+    requests = [r for step in failed["steps"] for r in step["requests"]]
+    # One state block per hit request fails; the attention blocks of the same loads still arrive.
+    assert totals.get("load_errors", 0) == len(requests), totals
+    assert totals.get("loaded_blocks", 0) > 0, totals
