@@ -411,7 +411,12 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     @rpc(intake.LOOKUP)
     def Lookup(self, request: wire.LookupBatch, context: grpc.ServicerContext) -> pb.LookupResponse:
         session = self._session(request.session_id, context, "Lookup")
-        addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
+        if request.packed:
+            assert request.message is not None
+            validation.packed_blocks(request.message, self.limits)
+            addresses = wire.packed_addresses(request.message.packed_blocks)
+        else:
+            addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
         ns_id, mode_id = session.namespace_id, session.mode_id
         statuses, pinned = self._lookup_and_pin(ns_id, mode_id, addresses)
         hits = statuses.count(_HIT)
@@ -419,7 +424,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         misses = len(statuses) - hits - mismatches
         prefix = _prefix_length(statuses, misses, mismatches)
         cross = self._cross_mode_misses(session, request, statuses) if misses else None
-        response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
+        if request.packed:
+            response = pb.LookupResponse(prefix_length=prefix, packed_statuses=bytes(statuses))
+        else:
+            response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
         if pinned:
             lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
             response.lease.lease_id = self.sessions.add_lease(session, ns_id, pinned, lease_ms)

@@ -128,3 +128,35 @@ def key(address_key: bytes, field: str, limits: ServiceLimits) -> None:
         raise errors.empty_key(field)
     if len(address_key) > limits.max_key_bytes:
         raise errors.key_too_large(field, len(address_key), limits.max_key_bytes)
+
+
+def packed_blocks(request: pb.LookupRequest, limits: ServiceLimits) -> None:
+    """Check the packed form of a Lookup: whole keys of an allowed length, whole base keys, one form only."""
+    if request.blocks:
+        raise errors.invalid_request(
+            "a Lookup carries either blocks or packed_blocks, not both; send all keys in one form",
+            "packed_blocks",
+        )
+    total = 0
+    for index, run in enumerate(request.packed_blocks):
+        field = f"packed_blocks[{index}]"
+        key_length, size = run.key_length, len(run.keys)
+        if key_length == 0:
+            raise errors.empty_key(f"{field}.key_length")
+        if key_length > limits.max_key_bytes:
+            raise errors.key_too_large(f"{field}.key_length", key_length, limits.max_key_bytes)
+        if size % key_length:
+            raise errors.invalid_request(
+                f"{field}.keys is {size} bytes, not a whole number of {key_length}-byte keys",
+                f"{field}.keys",
+            )
+        count = size // key_length
+        base = len(run.base_keys)
+        if base and (not count or base % count or base // count > limits.max_key_bytes):
+            raise errors.invalid_request(
+                f"{field}.base_keys is {base} bytes: leave it empty or send one base key of one length "
+                f"(1..{limits.max_key_bytes} bytes) per key ({count} keys)",
+                f"{field}.base_keys",
+            )
+        total += count
+    batch_size("packed_blocks", total, limits)

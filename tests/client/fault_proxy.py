@@ -2,6 +2,8 @@
 
 This is the one fake in the client suite, and it only injects the fault: while
 healthy it forwards raw request bytes to the real store and its answers back.
+With `v1_lookup` set it plays a store older than Lookup's packed form: such a
+store's parser skips the unknown packed_blocks field, so the proxy drops it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import build_status
 
 _UNARY = {
@@ -30,6 +33,7 @@ _UNARY = {
 class FaultProxy:
     def __init__(self, upstream: str) -> None:
         self.failing = threading.Event()
+        self.v1_lookup = threading.Event()
         self.failed_calls = 0
         self._channel = grpc.insecure_channel(upstream, options=[("grpc.max_receive_message_length", -1)])
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -47,6 +51,10 @@ class FaultProxy:
     def unary(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         if self.failing.is_set():
             self.fail(context)
+        if self.v1_lookup.is_set() and method.endswith("/Lookup"):
+            message = pb.LookupRequest.FromString(request)
+            message.ClearField("packed_blocks")
+            request = message.SerializeToString()
         call = self._channel.unary_unary(method)
         response: bytes = call(request, timeout=context.time_remaining())
         return response

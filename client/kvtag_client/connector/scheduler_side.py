@@ -8,6 +8,7 @@ from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 
+from ..store import PackedKeys
 from . import compat
 from .config import KvtagConfig
 from .groups import CacheGroups
@@ -98,23 +99,25 @@ class SchedulerSide:
         lease_id: str
 
     def _lookup(self, keys: RequestKeys, start: int, end: int) -> SchedulerSide._Hit:
-        refs: list[tuple[int, bytes, bytes]] = []
+        """One Lookup of the KV group's keys, then each state group's, in the packed form: this runs
+        inside the scheduler's step, so no Python object is built per key."""
         kv_group = self.groups.kv_groups[0] if self.groups.kv_groups else 0
-        span = range(start, end)
-        for j in span:
-            refs.append((kv_group, keys.key(j), keys.base_key(j)))
-        for group in self.groups.state_groups:
-            for j in span:
-                refs.append((group, keys.key(j), keys.base_key(j)))
+        groups = [kv_group, *self.groups.state_groups]
         self.stats.add("lookups")
-        result = self.client.lookup(refs, lease_ms=self.config.lease_ms)
-        statuses = list(result.statuses)
-        if len(statuses) != len(refs):  # never from StoreClient; a degraded lookup is all misses
+        packed = keys.packed(start, end)
+        if packed is not None:
+            joined, key_length, bases = packed
+            runs = [PackedKeys(group, joined, key_length, bases) for group in groups]
+            result = self.client.lookup_packed(runs, lease_ms=self.config.lease_ms)
+        else:  # keys of several lengths: block by block
+            span = range(start, end)
+            refs = [(group, keys.key(j), keys.base_key(j)) for group in groups for j in span]
+            result = self.client.lookup(refs, lease_ms=self.config.lease_ms)
+        statuses = result.statuses
+        if len(statuses) != len(groups) * (end - start):  # never from StoreClient; a degraded lookup is all misses
             return self._Hit(0, result.lease_id)
         count = end - start
-        kv_hits = 0
-        while kv_hits < count and statuses[kv_hits] == pb.HIT:
-            kv_hits += 1
+        kv_hits = min(result.prefix_length, count)
         if self.lookahead == 0 and self.eagle_block_drop:
             # Legacy keys cannot prove the drafter KV of a hit's last block: drop it, like vLLM does.
             kv_hits = max(0, kv_hits - 1)

@@ -88,6 +88,23 @@ class RequestKeys:
         base = self._chain.base_keys
         return bytes(base[index]) if index < len(base) else b""
 
+    def packed(self, start: int, end: int) -> tuple[bytes, int, bytes] | None:
+        """Keys of blocks [start, end) concatenated, their length, and the base keys concatenated
+        (b"" unless every block has one): Lookup's packed form, built by C-level slicing and join.
+        None when the keys differ in length (they cannot be packed as one run)."""
+        step = self.geometry.hashes_per_block
+        first, stop = (start + 1) * step - 1, end * step
+        selected = self._chain.keys[first:stop:step]
+        if not selected:
+            return None
+        lengths = set(map(len, selected))
+        if len(lengths) != 1:
+            return None
+        base = self._chain.base_keys
+        base_selected = base[first:stop:step] if stop <= len(base) else []
+        bases = b"".join(base_selected) if len(set(map(len, base_selected))) == 1 else b""
+        return b"".join(selected), lengths.pop(), bases
+
 
 @dataclass
 class LoadPlan:

@@ -315,15 +315,29 @@ class BlockRef(_message.Message):
     base_key: bytes
     def __init__(self, key: _Optional[bytes] = ..., group: _Optional[int] = ..., base_key: _Optional[bytes] = ...) -> None: ...
 
+class PackedBlocks(_message.Message):
+    __slots__ = ("key_length", "keys", "group", "base_keys")
+    KEY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BASE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    key_length: int
+    keys: bytes
+    group: int
+    base_keys: bytes
+    def __init__(self, key_length: _Optional[int] = ..., keys: _Optional[bytes] = ..., group: _Optional[int] = ..., base_keys: _Optional[bytes] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "lease_ms")
+    __slots__ = ("session_id", "blocks", "lease_ms", "packed_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     lease_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    packed_blocks: _containers.RepeatedCompositeFieldContainer[PackedBlocks]
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., packed_blocks: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "expires_in_ms")
@@ -334,14 +348,16 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix_length", "statuses", "lease")
+    __slots__ = ("prefix_length", "statuses", "lease", "packed_statuses")
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_STATUSES_FIELD_NUMBER: _ClassVar[int]
     prefix_length: int
     statuses: _containers.RepeatedScalarFieldContainer[KeyStatus]
     lease: Lease
-    def __init__(self, prefix_length: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    packed_statuses: bytes
+    def __init__(self, prefix_length: _Optional[int] = ..., statuses: _Optional[_Iterable[_Union[KeyStatus, str]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., packed_statuses: _Optional[bytes] = ...) -> None: ...
 
 class PutItem(_message.Message):
     __slots__ = ("block", "value", "shared_memory")
