@@ -9,16 +9,17 @@ logged once with the field diff and the engine runs without the store.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import groupby, repeat
 from operator import itemgetter
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
@@ -28,6 +29,7 @@ from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
+from kvtag_client.get_decoding import decode_get_response
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from kvtag_client.shared_memory import ArenaMapping, UnusableOffer
 
@@ -42,10 +44,14 @@ _DEFAULT_LIMITS = pb.Limits(
 # Room left in each message for framing, session id and per-item overhead.
 _MESSAGE_MARGIN = 64 << 10
 _ITEM_OVERHEAD = 32
-# Large puts are streamed in messages of about this size, so serialisation overlaps the server's work
-# (faster than one large Put: docs/benchmarks.md, "Figures behind choices in the code"). A larger
-# single item still travels alone.
-_STREAM_MESSAGE_TARGET = 1 << 20
+# Puts and gets travel as unary messages of about a quarter of the batch (between these bounds),
+# up to _IN_FLIGHT at a time, so the client's encoding or decoding of one overlaps the server's work
+# on another (2 cores). Messages stay well under the server limit: a fresh multi-MiB buffer costs
+# page faults on both sides, and 4 MiB is also gRPC's default receive limit (docs/benchmarks.md,
+# "Figures behind choices in the code").
+_MIN_MESSAGE = 256 << 10
+_MAX_MESSAGE = 4 << 20
+_IN_FLIGHT = 4
 # Codes that mean "the store (or the path to it) is not working right now".
 _OUTAGE_CODES = frozenset(
     {
@@ -315,14 +321,13 @@ class StoreClient:
             ],
         )
         self._stub = store_pb2_grpc.KvStoreStub(self._channel)  # type: ignore[no-untyped-call]
-        # Put and PutStream with requests encoded by put_encoding (bytes pass through unserialized).
+        # Put with requests encoded by put_encoding, Get with replies read by get_decoding: bytes pass
+        # through gRPC unserialized.
         self._put_raw = self._channel.unary_unary(
             "/kvtag.v1.KvStore/Put", request_serializer=None, response_deserializer=pb.PutResponse.FromString
         )
-        self._put_stream_raw = self._channel.stream_unary(
-            "/kvtag.v1.KvStore/PutStream",
-            request_serializer=None,
-            response_deserializer=pb.PutResponse.FromString,
+        self._get_raw = self._channel.unary_unary(
+            "/kvtag.v1.KvStore/Get", request_serializer=None, response_deserializer=None
         )
         self._thread = threading.Thread(target=self._maintain, name="kvtag-store-heartbeat", daemon=True)
         self._thread.start()
@@ -788,12 +793,11 @@ class StoreClient:
     def put(self, items: Sequence[tuple[int, bytes, bytes, bytes]]) -> list[int] | None:
         """Store (group, key, value, base_key) items; a PutStatus per item, or None when all were dropped.
 
-        Batches are split by the server's Limits: at most max_batch_items items per RPC,
-        and messages under max_message_bytes (several messages go through PutStream).
-        Items that cannot be sent at all (bad key, value larger than a message) are
-        REJECTED locally; items lost to a failure mid-batch are UNSPECIFIED and counted
-        as dropped, except those of the PutStream messages the server handled before the
-        failure, whose results come back with the error.
+        Batches are split into Put messages within the server's Limits (at most
+        max_batch_items items, under max_message_bytes), several in flight. Items that
+        cannot be sent at all (bad key, value larger than a message) are REJECTED
+        locally; items lost to a failure mid-batch are UNSPECIFIED and counted as dropped,
+        except those of the messages answered before the failure.
         """
         if not items:
             return []
@@ -819,17 +823,23 @@ class StoreClient:
             else:
                 sendable.append(n)
                 self._value_bytes_estimate = max(self._value_bytes_estimate, len(value))
-        deadline = self._transfer_deadline(sum(len(items[n][2]) for n in sendable))
-        sent_any = False
-        try:
-            for batch in self._put_batches(items, sendable, min(budget, _STREAM_MESSAGE_TARGET)):
-                # A PutStream that failed part way returns the results of its earlier messages.
-                statuses = self._put_batch(deadline, items, batch)
-                for n, status in zip([n for message in batch for n in message], statuses, strict=False):
-                    results[n] = status
-                sent_any = True
-        except _CallFailed:
-            pass
+        total = sum(len(items[n][2]) for n in sendable)
+        deadline = self._transfer_deadline(total)
+        messages = list(self._put_messages(items, sendable, self._message_target(total)))
+        answered = [False]
+
+        def rpc(sid: str, timeout: float) -> None:
+            encoded = (encode_put_request(sid, [self._put_fields(items[n]) for n in m]) for m in messages)
+            for message, response in zip(
+                messages, self._pipelined(self._put_raw, encoded, timeout), strict=True
+            ):
+                for n, result in zip(message, response.results, strict=False):
+                    results[n] = result.status
+                answered[0] = True
+
+        with contextlib.suppress(_CallFailed):
+            if messages:
+                self._call(deadline, rpc)
         with self._lock:
             c = self.counters
             c.put_stored += results.count(pb.STORED)
@@ -837,68 +847,50 @@ class StoreClient:
             c.put_conflict += results.count(pb.CONFLICT)
             c.put_rejected += results.count(pb.REJECTED)
             c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
-        if not sent_any and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
+        if not answered[0] and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
             return None
         return [int(r) for r in results]
 
-    def _put_batches(
+    def _message_target(self, total_bytes: int) -> int:
+        """Bytes per message for a transfer of total_bytes: about a share of the batch per call in flight."""
+        share = -(-total_bytes // _IN_FLIGHT)
+        return max(1, min(self._message_budget(), _MAX_MESSAGE, max(_MIN_MESSAGE, share)))
+
+    def _put_messages(
         self, items: Sequence[tuple[int, bytes, bytes, bytes]], sendable: list[int], target: int
-    ) -> Iterator[list[list[int]]]:
-        """Item indices grouped into RPCs (<= max_batch_items items) of messages (~target bytes each)."""
-        batch: list[list[int]] = []
+    ) -> Iterator[list[int]]:
+        """Item indices grouped into Put messages: <= max_batch_items items, ~target bytes (or one item)."""
         message: list[int] = []
         message_bytes = 0
-        batch_items = 0
         for n in sendable:
             _, key, value, base_key = items[n]
             size = len(key) + len(base_key) + len(value) + _ITEM_OVERHEAD
-            if message and message_bytes + size > target:
-                batch.append(message)
+            if message and (message_bytes + size > target or len(message) == self._batch_size()):
+                yield message
                 message, message_bytes = [], 0
-            if batch_items == self._batch_size():
-                if message:
-                    batch.append(message)
-                yield batch
-                batch, message, message_bytes, batch_items = [], [], 0, 0
             message.append(n)
             message_bytes += size
-            batch_items += 1
         if message:
-            batch.append(message)
-        if batch:
-            yield batch
+            yield message
 
-    def _put_batch(
-        self, deadline: _Deadline, items: Sequence[tuple[int, bytes, bytes, bytes]], batch: list[list[int]]
-    ) -> list[int]:
-        def messages(sid: str) -> list[bytes]:
-            return [
-                encode_put_request(sid, [self._put_fields(items[n]) for n in message]) for message in batch
-            ]
-
-        partial: list[int] = []
-
-        def rpc(sid: str, timeout: float) -> list[int]:
-            requests = messages(sid)
-            if len(requests) == 1:
-                response: pb.PutResponse = self._put_raw(requests[0], timeout=timeout)
-                return [r.status for r in response.results]
-            try:
-                response = self._put_stream_raw(iter(requests), timeout=timeout)
-            except grpc.RpcError as err:
-                # The server handled the messages before the failing one; their results ride on the error.
-                detail = parse_error(err)
-                if detail is not None and detail.put_results is not None:
-                    partial[:] = [r.status for r in detail.put_results.results]
-                raise
-            return [r.status for r in response.results]
-
+    @staticmethod
+    def _pipelined(
+        call: grpc.UnaryUnaryMultiCallable, requests: Iterable[bytes], timeout: float
+    ) -> Iterator[Any]:
+        """Responses of call(request) in request order, with up to _IN_FLIGHT calls outstanding. The next
+        request is built (encoded) while earlier ones are on the wire. A failure cancels the rest."""
+        pending: collections.deque[grpc.Future] = collections.deque()
+        deadline = time.monotonic() + timeout
         try:
-            return self._call(deadline, rpc)
-        except _CallFailed:
-            if partial:
-                return partial
-            raise
+            for request in requests:
+                pending.append(call.future(request, timeout=max(0.0, deadline - time.monotonic())))
+                if len(pending) >= _IN_FLIGHT:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
     def _put_fields(self, item: tuple[int, bytes, bytes, bytes]) -> PutItemFields:
         """(group, key, value, base_key) as sent: an invalid base key is dropped, as in _block_ref."""
@@ -908,7 +900,12 @@ class StoreClient:
         return group, key, value, base_key
 
     def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[bytes | None]:
-        """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded)."""
+        """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded).
+
+        Get messages of ~_message_target bytes (by the largest value seen so far; the
+        server's largest value before any is seen) go several in flight; a lease is
+        released with the single message, or after all of them.
+        """
         if blocks and self._shared_arena() is not None:
             copies: list[bytes | None] = [None] * len(blocks)
 
@@ -923,39 +920,35 @@ class StoreClient:
             if lease_id:
                 self.release(lease_id)
             return values
-        estimate = self._value_bytes_estimate or (1 << 20)
-        deadline = self._transfer_deadline(estimate * len(blocks))
+        estimate = self._value_bytes_estimate or max(1, self.limits.max_value_bytes)
+        deadline = self._transfer_deadline(min(estimate, 1 << 20) * len(blocks))
         valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
-        # Batches above the streaming target go through GetStream (faster, as for puts: docs/benchmarks.md).
-        target = min(self._message_budget(), _STREAM_MESSAGE_TARGET)
-        per_rpc = max(1, min(self._batch_size(), target // (estimate + _ITEM_OVERHEAD)))
-        chunks = [valid[i : i + self._batch_size()] for i in range(0, len(valid), self._batch_size())]
+        target = self._message_target(estimate * len(valid))
+        per_message = max(1, min(self._batch_size(), target // (estimate + _ITEM_OVERHEAD)))
+        chunks = [valid[i : i + per_message] for i in range(0, len(valid), per_message)]
+        single_lease = lease_id if len(chunks) == 1 else ""
+
+        def rpc(sid: str, timeout: float) -> None:
+            requests = (
+                pb.GetRequest(
+                    session_id=sid,
+                    blocks=[pb.BlockRef(key=blocks[n][1], group=blocks[n][0]) for n in chunk],
+                    lease_id=single_lease,
+                ).SerializeToString()
+                for chunk in chunks
+            )
+            for chunk, reply in zip(chunks, self._pipelined(self._get_raw, requests, timeout), strict=True):
+                for n, (status, value) in zip(chunk, decode_get_response(reply), strict=False):
+                    if status == pb.HIT:
+                        values[n] = value
+                        if len(value) > self._value_bytes_estimate:
+                            self._value_bytes_estimate = len(value)
+
         try:
-            for c, chunk in enumerate(chunks):
-                last = c == len(chunks) - 1
-                refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
-                stream = len(chunk) > per_rpc
-
-                def rpc(
-                    sid: str,
-                    timeout: float,
-                    refs: list[pb.BlockRef] = refs,
-                    last: bool = last,
-                    stream: bool = stream,
-                ) -> list[pb.GetResult]:
-                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
-                    if not stream:
-                        response: pb.GetResponse = self._stub.Get(request, timeout=timeout)
-                        return list(response.results)
-                    results: list[pb.GetResult] = []
-                    for part in self._stub.GetStream(request, timeout=timeout):
-                        results.extend(part.results)
-                    return results
-
-                for n, result in zip(chunk, self._call(deadline, rpc), strict=False):
-                    if result.status == pb.HIT:
-                        values[n] = result.value
-                        self._value_bytes_estimate = max(self._value_bytes_estimate, len(result.value))
+            if chunks:
+                self._call(deadline, rpc)
+            if lease_id and not single_lease:
+                self.release(lease_id)
         except _CallFailed:
             if lease_id:
                 self.release(lease_id)

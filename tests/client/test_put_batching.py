@@ -1,4 +1,4 @@
-"""How StoreClient cuts a large put into RPCs and messages: every item once, in order, within Limits."""
+"""How StoreClient cuts a large put into messages: every item once, in order, within Limits."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.net import free_port
     max_batch_items=st.integers(1, 9),
     target=st.integers(100, 8000),
 )
-def test_put_batches_cover_every_item_once_within_limits(
+def test_put_messages_cover_every_item_once_within_limits(
     sizes: list[int], max_batch_items: int, target: int
 ) -> None:
     client = StoreClient(
@@ -33,14 +33,11 @@ def test_put_batches_cover_every_item_once_within_limits(
             max_key_bytes=64, max_batch_items=max_batch_items, max_message_bytes=1 << 20
         )
         items = [(0, n.to_bytes(4, "big"), b"v" * size, b"") for n, size in enumerate(sizes)]
-        batches = list(client._put_batches(items, list(range(len(items))), target))
-        flat = [n for batch in batches for message in batch for n in message]
-        assert flat == list(range(len(items)))
-        for batch in batches:
-            assert sum(len(message) for message in batch) <= max_batch_items
-            for message in batch:
-                assert message
-                size = sum(len(items[n][1]) + len(items[n][2]) + _ITEM_OVERHEAD for n in message)
-                assert size <= target or len(message) == 1
+        messages = list(client._put_messages(items, list(range(len(items))), target))
+        assert [n for message in messages for n in message] == list(range(len(items)))
+        for message in messages:
+            assert 0 < len(message) <= max_batch_items
+            size = sum(len(items[n][1]) + len(items[n][2]) + _ITEM_OVERHEAD for n in message)
+            assert size <= target or len(message) == 1
     finally:
         client.close()

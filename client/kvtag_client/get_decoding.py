@@ -1,0 +1,79 @@
+"""GetResponse wire bytes read by hand: each value is copied once, out of the message.
+
+Why: the generated parser copies every value into a upb arena, then again into a
+Python bytes when `result.value` is read, so a 1 MiB Get paid two copies on the
+client beside gRPC's own. Here a value is one slice of the received bytes. Any
+shape this walker does not expect (an unknown field, a truncated message) goes
+to the generated parser, so the answer is always what the generated code reads;
+tests/client/test_get_decoding.py checks that with hypothesis, and
+tests/service/test_codec_schema.py pins the fields it relies on.
+"""
+
+from __future__ import annotations
+
+from kvtag.v1 import store_pb2 as pb
+
+# (KeyStatus, value) per result, in order; value is b"" unless the status is HIT.
+GetResults = list[tuple[int, bytes]]
+
+
+class _Irregular(Exception):
+    pass
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Irregular
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def decode_get_response(data: bytes) -> GetResults:
+    """GetResponse{results: [GetResult{status, value}]} as (status, value) pairs."""
+    try:
+        return _decode_fast(data)
+    except _Irregular:
+        message = pb.GetResponse.FromString(data)
+        return [(r.status, r.value) for r in message.results]
+
+
+def _decode_fast(data: bytes) -> GetResults:
+    results: GetResults = []
+    append = results.append
+    pos, end = 0, len(data)
+    while pos < end:
+        if data[pos] != 0x0A:  # only field 1 (results), length-delimited
+            raise _Irregular
+        length, pos = _varint(data, pos + 1, end)
+        stop = pos + length
+        if stop > end:
+            raise _Irregular
+        status, value = 0, b""
+        while pos < stop:
+            tag = data[pos]
+            if tag == 0x08:
+                status, pos = _varint(data, pos + 1, stop)
+                if status > 0x7FFFFFFF:  # an enum is an int32: leave the odd cases to the generated parser
+                    raise _Irregular
+            elif tag == 0x12:
+                size, pos = _varint(data, pos + 1, stop)
+                if pos + size > stop:
+                    raise _Irregular
+                value = data[pos : pos + size]
+                pos += size
+            else:
+                raise _Irregular
+        if pos != stop:
+            raise _Irregular
+        append((status, value))
+    return results
+
+
+__all__ = ["GetResults", "decode_get_response"]
