@@ -1,8 +1,11 @@
-"""GetResponse wire bytes read by hand: each value is copied once, out of the message.
+"""GetResponse wire bytes read by hand: values are views into the received message, not copies.
 
 Why: the generated parser copies every value into a upb arena, then again into a
-Python bytes when `result.value` is read, so a 1 MiB Get paid two copies on the
-client beside gRPC's own. Here a value is one slice of the received bytes. Any
+Python bytes when `result.value` is read, so a 1 MiB Get paid two copies (and two
+fresh 1 MiB buffers, whose first-touch page faults cost as much as the copies) on
+the client beside gRPC's own. Here a value is a memoryview slice of the bytes gRPC
+received: no copy at all. A view keeps its whole message alive, so a caller that
+keeps a value for long should take bytes(value). Any
 shape this walker does not expect (an unknown field, a truncated message) goes
 to the generated parser, so the answer is always what the generated code reads;
 tests/client/test_get_decoding.py checks that with hypothesis, and
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 from kvtag.v1 import store_pb2 as pb
 
-# (KeyStatus, value) per result, in order; value is b"" unless the status is HIT.
-GetResults = list[tuple[int, bytes]]
+# A value: a read-only view into the received message (bytes from the fallback parser).
+Value = bytes | memoryview
+# (KeyStatus, value) per result, in order; value is empty unless the status is HIT.
+GetResults = list[tuple[int, Value]]
 
 
 class _Irregular(Exception):
@@ -47,6 +52,7 @@ def decode_get_response(data: bytes) -> GetResults:
 def _decode_fast(data: bytes) -> GetResults:
     results: GetResults = []
     append = results.append
+    view = memoryview(data)
     pos, end = 0, len(data)
     while pos < end:
         if data[pos] != 0x0A:  # only field 1 (results), length-delimited
@@ -55,7 +61,7 @@ def _decode_fast(data: bytes) -> GetResults:
         stop = pos + length
         if stop > end:
             raise _Irregular
-        status, value = 0, b""
+        status, value = 0, view[0:0]
         while pos < stop:
             tag = data[pos]
             if tag == 0x08:
@@ -66,7 +72,7 @@ def _decode_fast(data: bytes) -> GetResults:
                 size, pos = _varint(data, pos + 1, stop)
                 if pos + size > stop:
                     raise _Irregular
-                value = data[pos : pos + size]
+                value = view[pos : pos + size]
                 pos += size
             else:
                 raise _Irregular
@@ -76,4 +82,4 @@ def _decode_fast(data: bytes) -> GetResults:
     return results
 
 
-__all__ = ["GetResults", "decode_get_response"]
+__all__ = ["GetResults", "Value", "decode_get_response"]

@@ -29,7 +29,7 @@ from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
-from kvtag_client.get_decoding import decode_get_response
+from kvtag_client.get_decoding import Value, decode_get_response
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from kvtag_client.shared_memory import ArenaMapping, UnusableOffer
 
@@ -50,7 +50,7 @@ _ITEM_OVERHEAD = 32
 # page faults on both sides, and 4 MiB is also gRPC's default receive limit (docs/benchmarks.md,
 # "Figures behind choices in the code").
 _MIN_MESSAGE = 256 << 10
-_MAX_MESSAGE = 4 << 20
+_MAX_MESSAGE = (1 << 20) + (64 << 10)
 _IN_FLIGHT = 4
 # Codes that mean "the store (or the path to it) is not working right now".
 _OUTAGE_CODES = frozenset(
@@ -899,15 +899,18 @@ class StoreClient:
             base_key = b""
         return group, key, value, base_key
 
-    def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[bytes | None]:
+    def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[Value | None]:
         """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded).
+
+        A value is a read-only buffer (a view into the received message, see get_decoding): compare,
+        len() and copy it like bytes; take bytes(value) to keep it beyond the caller's use.
 
         Get messages of ~_message_target bytes (by the largest value seen so far; the
         server's largest value before any is seen) go several in flight; a lease is
         released with the single message, or after all of them.
         """
         if blocks and self._shared_arena() is not None:
-            copies: list[bytes | None] = [None] * len(blocks)
+            copies: list[Value | None] = [None] * len(blocks)
 
             def copy(index: int, slot: memoryview) -> bool:
                 copies[index] = bytes(slot)
@@ -915,7 +918,7 @@ class StoreClient:
 
             served = self.get_into(blocks, lease_id, copy)
             return [value if ok else None for value, ok in zip(copies, served, strict=True)]
-        values: list[bytes | None] = [None] * len(blocks)
+        values: list[Value | None] = [None] * len(blocks)
         if not blocks:
             if lease_id:
                 self.release(lease_id)
