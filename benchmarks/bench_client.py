@@ -49,11 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from bench_service import Server, free_port, start_server, wait_ready
+from bench_service import Server, start_server, wait_ready
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys as kvkeys
 from kvtag_client.store import PackedKeys, StoreClient
 from provenance import git_describe
+
+from tests.net import free_port
 
 KiB, MiB, GB = 1024, 1024 * 1024, 1e9
 SET_BYTES = 64 * MiB  # distinct values per size: well beyond the CPU caches

@@ -17,7 +17,9 @@ from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig, ServiceLimits
 from kvtag_store.server import RunningServer, start_server
 
-from .helpers import Store, error_of, mode, namespace
+from tests.descriptors import mode, namespace
+
+from .helpers import Store, error_of
 
 MAX_BATCH = 64
 _tenants = itertools.count()
