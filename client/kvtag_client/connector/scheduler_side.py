@@ -114,7 +114,9 @@ class SchedulerSide:
             refs = [(group, keys.key(j), keys.base_key(j)) for group in groups for j in span]
             result = self.client.lookup(refs, lease_ms=self.config.lease_ms)
         statuses = result.statuses
-        if len(statuses) != len(groups) * (end - start):  # never from StoreClient; a degraded lookup is all misses
+        if len(statuses) != len(groups) * (
+            end - start
+        ):  # never from StoreClient; a degraded lookup is all misses
             return self._Hit(0, result.lease_id)
         count = end - start
         kv_hits = min(result.prefix_length, count)
