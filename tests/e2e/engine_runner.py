@@ -174,14 +174,15 @@ def _inject_state_fault(llm: Any, fault: str) -> None:
     shared-memory `get_into` (what engines on the store's host use) and inline `get`.
     """
     from kvtag_client.connector.groups import classify
+    from kvtag_client.get_decoding import Value
     from kvtag_client.store import StoreClient
 
     state_groups = set(classify(_core(llm).scheduler.kv_cache_config).state_groups)
     assert state_groups, "a Mamba-state fault needs a hybrid model"
     real_get, real_get_into = StoreClient.get, StoreClient.get_into
 
-    def get(self: Any, blocks: Any, lease_id: str = "") -> list[bytes | None]:
-        values: list[bytes | None] = real_get(self, blocks, lease_id)
+    def get(self: Any, blocks: Any, lease_id: str = "") -> list[Value | None]:
+        values: list[Value | None] = real_get(self, blocks, lease_id)
         for n, (group, _key) in enumerate(blocks):
             value = values[n]
             if group in state_groups and value is not None:
