@@ -69,6 +69,7 @@ test-service: $(STAMPS)/dev
 	$(VENV)/bin/pytest -q --cov=kvtag_store --cov=kvtag_proto $(COV) tests/service
 
 test-client: $(STAMPS)/dev
+	scripts/install_openssl.sh
 	$(VENV)/bin/pytest -q $(CLIENT_COV) --cov=kvtag_proto $(COV) tests/client
 
 test-mooncake: $(STAMPS)/dev
@@ -78,6 +79,7 @@ test-connector: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q --cov=kvtag_client $(COV) tests/connector tests/client_vllm
 
 test-e2e: $(STAMPS)/vllm $(STAMPS)/service
+	scripts/install_openssl.sh
 	$(VLLM_VENV)/bin/pytest -q tests/e2e
 
 # The status page in Debian's headless chromium (installed by the script); screenshots in tests/artifacts/.
