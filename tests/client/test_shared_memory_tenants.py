@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -95,7 +96,7 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
     assert _refused(opened.value)[0] is grpc.StatusCode.PERMISSION_DENIED
     block = pb.BlockRef(group=0, key=b"globex-block")
     generation = pending.refs[0].generation
-    calls = {
+    calls: dict[str, Callable[[str], object]] = {
         "AttachSharedMemory": lambda sid: stub.AttachSharedMemory(
             pb.AttachSharedMemoryRequest(session_id=sid, nonce=b_nonce), timeout=10
         ),
@@ -135,7 +136,9 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
     assert a.get([(0, b"globex-block")]) == [None]
 
     # B is untouched: its reservation still commits and its value reads back byte for byte.
-    pending.slots[0][:] = b"p" * 64
+    slot = pending.slots[0]
+    assert slot is not None
+    slot[:] = b"p" * 64
     assert b.commit(pending) == [pb.STORED]
     assert b.get([(0, b"globex-block"), (0, b"globex-pending")]) == [secret, b"p" * 64]
     log = store.log_tail(200_000)
