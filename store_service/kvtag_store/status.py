@@ -21,6 +21,7 @@ from kvtag_store.backends.base import BackendStats, BackendUnavailable
 from kvtag_store.config import policy_name
 from kvtag_store.history import HitRateHistory, Point
 from kvtag_store.modes import MODE_FIELDS, field_text
+from kvtag_store.tenant_stats import tenant_usage
 
 log = logging.getLogger("kvtag_store.status")
 
@@ -72,17 +73,20 @@ class StatusSource:
             log.warning("status without backend figures: %s", exc)
             stats = None
         per_ns = stats.per_namespace if stats is not None else {}
+        report = self._report()
         namespaces = [
             _namespace(ns, per_ns.get(ns.namespace_id), self.history)
-            for ns in self._report().namespaces
+            for ns in report.namespaces
             if view.may_see(ns.namespace.tenant)
         ]
+        tenant_of = {ns.namespace_id: ns.namespace.tenant for ns in report.namespaces}
         return {
             "schema": SCHEMA,
             "generated_at_unix_ms": int(time.time() * 1000),
             "history_interval_s": self.history.interval_s,
             "history_points": self.history.points,
             "store": _store(stats, view),
+            "tenants": _tenants(stats, tenant_of, view),
             "namespaces": namespaces,
         }
 
@@ -106,6 +110,24 @@ def _store(stats: BackendStats | None, view: View) -> dict[str, Any]:
         "capacity_bytes": stats.capacity_bytes,
         "store_wide": store_wide,
     }
+
+
+def _tenants(stats: BackendStats | None, tenant_of: dict[str, str], view: View) -> list[dict[str, Any]]:
+    """Capacity (quota), used bytes and evictions per tenant: what a viewer limited to some tenants
+    sees instead of the store-wide figures."""
+    if stats is None:
+        return []
+    return [
+        {
+            "tenant": tenant,
+            "keys": u.keys,
+            "used_bytes": u.used_bytes,
+            "quota_bytes": u.quota_bytes,
+            "evictions": u.evictions,
+        }
+        for tenant, u in sorted(tenant_usage(stats, tenant_of).items())
+        if view.may_see(tenant)
+    ]
 
 
 def _rate(part: int, whole: int) -> float | None:

@@ -47,6 +47,7 @@ def render(doc: dict[str, Any], refresh_s: int = REFRESH_S) -> str:
         f"history: one point per {doc['history_interval_s']:g}s; "
         'JSON: <a href="api/v1/status">/api/v1/status</a>, metrics: <a href="metrics">/metrics</a></p>',
         _store(doc["store"]),
+        _tenants(doc["tenants"]),
     ]
     if not namespaces:
         body.append("<p>No namespaces yet: no engine has opened a session.</p>")
@@ -85,6 +86,27 @@ def _store(store: dict[str, Any]) -> str:
         ]
     cells = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     return f'<h2>Store</h2><table id="store">{cells}</table>'
+
+
+def _tenants(tenants: list[dict[str, Any]]) -> str:
+    """Per tenant: its quota (or the shared pool), used bytes and evictions."""
+    if not tenants:
+        return ""
+    rows = []
+    for t in tenants:
+        quota = t["quota_bytes"]
+        if quota:
+            share = t["used_bytes"] / quota
+            used = f"{_bytes(t['used_bytes'])} ({share:.1%} of quota) {_bar(share)}"
+        else:
+            used = _bytes(t["used_bytes"])
+        rows.append(
+            f"<tr><td>{escape(t['tenant']) or '(none)'}</td>"
+            f"<td>{_bytes(quota) if quota else 'shared pool'}</td><td>{used}</td>"
+            f'<td class="num">{t["keys"]}</td><td class="num">{t["evictions"]}</td></tr>'
+        )
+    head = "<tr><th>tenant</th><th>capacity</th><th>used</th><th>blocks</th><th>evictions</th></tr>"
+    return f'<h2>Tenants</h2><table id="tenants">{head}{"".join(rows)}</table>'
 
 
 def _namespace(ns: dict[str, Any], interval_s: float, points: int) -> str:

@@ -4,7 +4,8 @@ Two namespaces on one real server with its HTTP port open:
 - `team-split` (isolate): engines in two modes (lookahead 1 and legacy), so the lookahead mode's
   misses are partly blocks the legacy mode held (cross-mode misses); one engine whose probe keys
   drift from its mode's reference (a probe disagreement), since gone.
-- `team-strict` (strict): the first engine wins; a second in another mode is refused with a diff.
+- `team-strict` (strict, a 1 MiB tenant quota): the first engine wins; a second in another mode is
+  refused with a diff.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ LEGACY = mode(lookahead=0)
 # The refused engine differs in two fields, so its diff has two rows.
 REFUSED_MODE = mode(lookahead=0, algorithm="xxh3-128")
 CROSS_MODE_MISSES = 3
+# The strict tenant has a quota of its own; the split tenant shares the rest of the 16 MiB.
+STRICT_QUOTA = 1 << 20
 
 
 @dataclass
@@ -79,7 +82,7 @@ def start(
     """A server with the HTTP port on 127.0.0.1:0, the strict namespace configured, scenario not run.
     `channel_security` is how the scenario's engines call it (a token when `serve` has security)."""
     strict_id = ids.namespace_id(STRICT_NS)
-    backend = MemoryBackend(16 << 20)
+    backend = MemoryBackend(16 << 20, tenant_quotas={STRICT_NS.tenant: STRICT_QUOTA})
     server = start_server(
         backend,
         MemoryCensus(),

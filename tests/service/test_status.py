@@ -92,6 +92,10 @@ def test_status_json_follows_its_schema_and_reports_the_scenario(scenario: sc.Sc
     assert (store["backend"], store["capacity_bytes"]) == ("memory", 16 << 20)
     assert store["store_wide"]["used_bytes"] == split["used_bytes"] == 7 * 512
     assert store["store_wide"]["evictions"] == 0
+    assert doc["tenants"] == [
+        {"tenant": "team-split", "keys": 7, "used_bytes": 7 * 512, "quota_bytes": 0, "evictions": 0},
+        {"tenant": "team-strict", "keys": 0, "used_bytes": 0, "quota_bytes": sc.STRICT_QUOTA, "evictions": 0},
+    ]
 
 
 def test_page_renders_the_same_figures_without_scripts_or_remote_assets(scenario: sc.Scenario) -> None:
@@ -103,6 +107,26 @@ def test_page_renders_the_same_figures_without_scripts_or_remote_assets(scenario
     assert f'mode <span class="mono">{scenario.legacy_mode}</span> held <b>3</b> of mode' in page
     assert '<th class="diff">lookahead_tokens</th>' in page
     assert "engine-strict-b" in page and "xxh3-128" in page
+
+
+def test_a_tenant_over_its_quota_shows_its_evictions() -> None:
+    s = sc.start()
+    try:
+        engine = s.store.open("engine-strict-a", sc.LOOKAHEAD, sc.STRICT_NS)
+        # Three 400 KiB blocks in a 1 MiB quota: the oldest is evicted, within the tenant's pool.
+        for i in range(3):
+            s.store.put(engine.session_id, (b"big-%d" % i, b"x" * (400 << 10)))
+        doc = s.status()
+        _, _, page = s.fetch("/")
+    finally:
+        s.close()
+    jsonschema.validate(doc, SCHEMA)
+    [row] = [t for t in doc["tenants"] if t["tenant"] == "team-strict"]
+    assert (row["keys"], row["used_bytes"], row["evictions"]) == (2, 800 << 10, 1)
+    assert doc["store"]["store_wide"]["evictions"] == 1
+    tenants = page[page.index('<table id="tenants">') :].split("</table>")[0]
+    assert "<td>team-strict</td><td>1.0 MiB (1048576 bytes)</td>" in tenants
+    assert '<td class="num">2</td><td class="num">1</td></tr>' in tenants
 
 
 def test_client_strings_are_escaped_on_the_page() -> None:
@@ -120,6 +144,7 @@ def test_tenant_parameter_narrows_the_view(scenario: sc.Scenario) -> None:
     doc = scenario.status("?tenant=team-strict")
     jsonschema.validate(doc, SCHEMA)
     assert [n["namespace_id"] for n in doc["namespaces"]] == [scenario.strict_ns]
+    assert [t["tenant"] for t in doc["tenants"]] == ["team-strict"]
     assert scenario.status("?tenant=nobody")["namespaces"] == []
     _, _, page = scenario.fetch("/?tenant=team-strict")
     assert scenario.strict_ns in page and scenario.split_ns not in page
@@ -212,6 +237,7 @@ def test_with_tokens_the_page_needs_a_viewer_and_shows_only_its_tenants(
     jsonschema.validate(doc, SCHEMA)
     assert [n["namespace_id"] for n in doc["namespaces"]] == [s.strict_ns]
     assert doc["store"]["store_wide"] is None, "a tenant viewer sees no store-wide figures"
+    assert [(t["tenant"], t["quota_bytes"]) for t in doc["tenants"]] == [("team-strict", sc.STRICT_QUOTA)]
     # ?tenant= narrows a view; it never widens it.
     code, _, body = s.fetch("/api/v1/status?tenant=team-split", viewer)
     assert json.loads(body)["namespaces"] == []
