@@ -126,9 +126,10 @@ class Arena:
     """Slots in one mapping. Not thread-safe: the memory backend calls it under its lock (except
     `view` reads and writes of slots it owns)."""
 
-    def __init__(self, tenant: str, size: int, directory: str | None) -> None:
+    def __init__(self, tenant: str, size: int, directory: str | None, group: int | None = None) -> None:
         """A file in `directory` (e.g. /dev/shm, mode 0600) that clients may map, or anonymous
-        memory when `directory` is None (the inline path only)."""
+        memory when `directory` is None (the inline path only). With `group` the file is that group's
+        and mode 0660: the tenant's engines, in that group under their own users, may map it."""
         self.tenant = tenant
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_LENGTH)
@@ -146,7 +147,9 @@ class Arena:
             try:
                 # Held for the service's lifetime: a file nobody holds is an orphan (remove_orphans).
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.fchmod(self._fd, 0o600)  # whatever the umask
+                if group is not None:
+                    os.fchown(self._fd, -1, group)
+                os.fchmod(self._fd, 0o600 if group is None else 0o660)  # whatever the umask
                 os.ftruncate(self._fd, size)
                 self._mmap = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED)
                 os.rename(hidden, path)

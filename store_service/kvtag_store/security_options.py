@@ -1,9 +1,10 @@
-"""The `serve` security flags (TLS, tokens, tenant quotas, --insecure), what they build, the rule for
-non-loopback addresses, and the SIGHUP reload of certificates and tokens."""
+"""The `serve` security flags (TLS, tokens, tenant quotas, arena groups, --insecure), what they build,
+the rule for non-loopback addresses, and the SIGHUP reload of certificates and tokens."""
 
 from __future__ import annotations
 
 import argparse
+import grp
 import ipaddress
 import logging
 import os
@@ -23,6 +24,7 @@ class Security:
     tokens: TokenRegistry = field(default_factory=TokenRegistry.disabled)
     tls: ServerTls | None = None
     tenant_quotas: dict[str, int] = field(default_factory=dict)
+    shm_groups: dict[str, int] = field(default_factory=dict)  # tenant -> gid of its arena file
 
     def reload(self) -> bool:
         """SIGHUP: re-read the certificate and the tokens file; what fails to load keeps its old value."""
@@ -61,6 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes reserved for and capping a tenant (memory backend), repeatable "
         f"[env {env_name('--tenant-quota')}, comma-separated]",
     )
+    parser.add_argument(
+        "--shm-group",
+        action="append",
+        type=parse_shm_group,
+        default=None,
+        metavar="TENANT=GROUP",
+        help="the tenant's shared-memory arena file gets this group and mode 0660, so engines of that "
+        "tenant map it under their own user while other users cannot open it, repeatable "
+        f"[env {env_name('--shm-group')}, comma-separated]",
+    )
 
 
 def parse_tenant_quota(text: str) -> tuple[str, int]:
@@ -71,6 +83,24 @@ def parse_tenant_quota(text: str) -> tuple[str, int]:
     if quota <= 0:
         raise argparse.ArgumentTypeError(f"--tenant-quota {text!r}: the size must be positive")
     return tenant.strip(), quota
+
+
+def parse_shm_group(text: str) -> tuple[str, int]:
+    """TENANT=GROUP, GROUP a name or a number; the service must be able to give its files that group."""
+    tenant, sep, group = text.rpartition("=")
+    if not sep or not group.strip():
+        raise argparse.ArgumentTypeError(f"expected TENANT=GROUP (e.g. acme=kvtag-acme), got {text!r}")
+    group = group.strip()
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"--shm-group {text!r}: no group named {group!r}") from None
+    if os.geteuid() != 0 and gid not in os.getgroups() and gid != os.getegid():
+        raise argparse.ArgumentTypeError(
+            f"--shm-group {text!r}: the service's user is not in group {group}, so it cannot give "
+            "arena files that group; add it to the group or choose another"
+        )
+    return tenant.strip(), gid
 
 
 def build(args: argparse.Namespace) -> Security:
@@ -84,12 +114,17 @@ def build(args: argparse.Namespace) -> Security:
         for item in os.environ.get(env_name("--tenant-quota"), "").split(",")
         if item.strip()
     ]
+    shm_groups = args.shm_group or [
+        parse_shm_group(item)
+        for item in os.environ.get(env_name("--shm-group"), "").split(",")
+        if item.strip()
+    ]
     try:
         tokens = TokenRegistry.from_file(args.auth_tokens) if args.auth_tokens else TokenRegistry.disabled()
         tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca or None) if args.tls_cert else None
     except (TokenFileError, TlsFileError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    security = Security(tokens=tokens, tls=tls, tenant_quotas=dict(quotas))
+    security = Security(tokens=tokens, tls=tls, tenant_quotas=dict(quotas), shm_groups=dict(shm_groups))
     check_listen(args.listen, security, insecure=bool(args.insecure))
     return security
 

@@ -1,7 +1,8 @@
 """The shared-memory data path against a real TLS + tokens store keeps tenants apart: an engine of
 tenant A maps only A's arena, which never holds B's bytes, and a tenant-A token gets nothing of B's
 arena through any call (no offer, no attach, no reference, no commit of B's slots); every arena file
-is private to the service's user, so another user cannot open it at all."""
+is private to the service's user, so another user cannot open it at all, and `--shm-group` opens a
+tenant's file to that tenant's group only."""
 
 from __future__ import annotations
 
@@ -143,3 +144,47 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
     assert b.get([(0, b"globex-block"), (0, b"globex-pending")]) == [secret, b"p" * 64]
     log = store.log_tail(200_000)
     assert token_a not in log and token_b not in log
+
+
+def test_with_shm_groups_each_tenants_arena_opens_only_for_its_own_group(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """Engines of isolated tenants run under their own users: `--shm-group` lets each map its own
+    tenant's arena (group, mode 0660) and still not open another tenant's."""
+    groups = {"acme": 40001, "globex": 40002}
+    store = start_store(
+        "--capacity", "16MiB", "--shm-group", "acme=40001", "--shm-group", "globex=40002"
+    )  # fmt: skip
+    paths = {}
+    for tenant in groups:
+        client = make_client(store.endpoint, tenant=tenant)
+        assert client.open() and client._arena is not None and client.data_path == "shared_memory"
+        paths[tenant] = Path("/dev/shm") / client._arena.segment
+    shared = make_client(store.endpoint, tenant="")
+    assert shared.open() and shared._arena is not None
+    assert stat.S_IMODE((Path("/dev/shm") / shared._arena.segment).stat().st_mode) == 0o600
+    for tenant, gid in groups.items():
+        info = paths[tenant].stat()
+        assert (info.st_gid, stat.S_IMODE(info.st_mode)) == (gid, 0o660)
+    for tenant, gid in groups.items():
+        for other, path in paths.items():
+            # Another user in the tenant's group: read and write its own arena (as the client maps it).
+            opened = subprocess.run(
+                ["dd", f"of={path}", "bs=1", "count=0", "conv=notrunc", "status=none"],
+                user=NOBODY,
+                group=NOBODY,
+                extra_groups=[gid],
+                capture_output=True,
+                timeout=30,
+            )
+            assert (opened.returncode == 0) == (other == tenant), (tenant, other, opened.stderr)
+            read = subprocess.run(
+                ["head", "-c", "4096", str(path)], user=NOBODY, group=NOBODY, extra_groups=[gid],
+                capture_output=True, timeout=30,
+            )  # fmt: skip
+            assert (read.returncode == 0 and read.stdout[:8] == b"KVTAGARN") == (other == tenant)
+
+
+def test_shm_group_must_be_one_the_service_can_give(start_store: StoreFactory) -> None:
+    with pytest.raises(RuntimeError, match="no group named"):
+        start_store("--shm-group", "acme=no-such-group-kvtag")

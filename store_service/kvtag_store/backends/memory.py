@@ -168,9 +168,11 @@ class MemoryBackend:
         capacity_bytes: int,
         tenant_quotas: Mapping[str, int] | None = None,
         shm_dir: str | None = None,
+        shm_groups: Mapping[str, int] | None = None,
     ) -> None:
         """`shm_dir` (e.g. /dev/shm): where tenant arenas are created as files same-host clients may map;
-        None keeps values in anonymous memory (inline path only)."""
+        None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
+        file is shared with (mode 0660); other tenants' files stay 0600."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         quotas = dict(tenant_quotas or {})
@@ -181,6 +183,7 @@ class MemoryBackend:
             )
         self._capacity = capacity_bytes
         self._shm_dir = shm_dir
+        self._shm_groups = dict(shm_groups or {})
         if shm_dir is not None:
             remove_orphans(shm_dir)
         self._lock = threading.Lock()
@@ -243,7 +246,7 @@ class MemoryBackend:
                         f"it has {free} bytes free and the store's capacity is {self._capacity} bytes "
                         "(give the container a larger /dev/shm, e.g. --shm-size, or lower --capacity)"
                     )
-                arena = Arena(tenant, size, self._shm_dir)
+                arena = Arena(tenant, size, self._shm_dir, group=self._shm_groups.get(tenant))
             except OSError as exc:
                 log.warning(
                     "cannot create a shared-memory arena in %s (%s); values stay in process memory and "
