@@ -4,6 +4,7 @@ pool's blocks, per-tenant figures; then the same under a multi-process load, eve
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from kvtag_store.config import ServiceConfig
 from kvtag_store.server import RunningServer, start_server
 from prometheus_client import generate_latest
 
-from tests.store_process import StoreProcess
+from tests.store_process import StoreProcess, store_bin
 
 from .quota_load import VALUE_BYTES, run_engine
 from .security_harness import Caller
@@ -110,6 +111,18 @@ def test_a_value_larger_than_the_quota_or_a_quota_full_of_leases_is_rejected_nam
 def test_quotas_larger_than_the_capacity_are_refused() -> None:
     with pytest.raises(ValueError, match="more than the capacity"):
         MemoryBackend(10 * KIB, {"a": 8 * KIB, "b": 8 * KIB})
+
+
+@pytest.mark.parametrize("flag", ["--tenant-quota=a=1MiB", "--shm-group=a=0"])
+def test_mooncake_backend_refuses_quotas_and_arena_groups_at_start(flag: str) -> None:
+    """Mooncake evicts by its own policy and has no arenas: these flags would promise what it cannot keep."""
+    refused = subprocess.run(
+        [store_bin(), "serve", "--backend", "mooncake", flag, "--listen", "127.0.0.1:0",
+         "--metrics-listen", ""],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "apply to the memory backend only" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_quotas_hold_under_a_multi_process_load_with_every_byte_checked(tmp_path: Path) -> None:
