@@ -691,6 +691,211 @@ def kvtag_store_argv(port: int, args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
+@dataclass
+class LookupSets:
+    """4,096 ordered keys present with small values, the same count with 64 KiB values, and misses.
+    Lookup is a key query (no checksum pass over hit values), so the first two should match."""
+
+    keys: list[bytes]
+    request: pb.LookupRequest
+    big_keys: list[bytes]
+    big_value: bytes
+    big_request: pb.LookupRequest
+    miss_request: pb.LookupRequest
+    # Random bytes as long as `request`, for the raw-gRPC echo of the same bytes.
+    echo_payload: bytes
+
+    @classmethod
+    def create(cls, kv: KvtagBench) -> LookupSets:
+        keys = [block_key("lookup-small", i) for i in range(LOOKUP_KEYS)]
+        kv.put_values(keys, b"v" * 64)
+        request = kv.lookup_request(keys)
+        big_keys = [block_key("lookup-64KiB", i) for i in range(LOOKUP_KEYS)]
+        big_value = os.urandom(64 * KiB)
+        kv.put_values(big_keys, big_value)
+        return cls(
+            keys,
+            request,
+            big_keys,
+            big_value,
+            kv.lookup_request(big_keys),
+            kv.lookup_request([block_key("lookup-miss", i) for i in range(LOOKUP_KEYS)]),
+            os.urandom(request.ByteSize()),
+        )
+
+    def ensure_present(self, kv: KvtagBench) -> None:
+        """A small --capacity may have evicted the sets: put them back (untimed)."""
+        kv.ensure_present(self.request, self.keys, b"v" * 64)
+        kv.ensure_present(self.big_request, self.big_keys, self.big_value)
+
+
+@dataclass
+class Subjects:
+    """What one run measures: the store, the raw-bytes server, the value plans and the lookup sets."""
+
+    kv: KvtagBench
+    kv_server: Server
+    ref: BytesBench
+    echo_server: Server
+    plans: list[Plan]
+    pools: dict[int, ValuePool]
+    dst: memoryview  # pre-touched memcpy destination
+    lookups: LookupSets
+
+
+def warm_up(t: Subjects) -> None:
+    """Connections, thread pools, allocator, every download size."""
+    kv, ref = t.kv, t.ref
+    for p in t.plans:
+        one = Plan(p.value_size, p.batch_items, 1)
+        for items in kv.put_batches(one, t.pools[p.value_size], f"warm/{p.value_size}"):
+            kv.put_call(items, p.batch_bytes)()
+        for greq in kv.get_batches(one, f"warm/{p.value_size}"):
+            kv.get_call(greq)()
+        ref.download_call(p.batch_bytes)()
+        ref.upload_call(t.pools[p.value_size][0] * p.batch_items)()
+        ref.echo_call(t.pools[p.value_size][0])()
+    for _ in range(3):
+        kv.lookup_latency(t.lookups.request, LOOKUP_KEYS)
+        ref.latency(t.lookups.echo_payload)
+
+
+def transfer_pass(t: Subjects, p: Plan, tag: str, series: dict[str, Series]) -> None:
+    """One repeat of every throughput column at one value size, interleaved."""
+    kv, ref, kv_server, echo_server = t.kv, t.ref, t.kv_server, t.echo_server
+    pool = t.pools[p.value_size]
+    values = [pool[i] for i in range(p.batch_items * p.batches)]
+    series["memcpy"].samples.append(memcpy_pass(values, t.dst))
+    series["memcpy_fresh"].samples.append(memcpy_fresh_pass(values))
+    payload = b"".join(values[: p.batch_items])
+    series["grpc_upload"].samples.append(timed_calls([ref.upload_call(payload)] * p.batches, echo_server))
+    del payload
+    puts = kv.put_batches(p, pool, tag)
+    series["kvtag_put"].samples.append(
+        timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server)
+    )
+    del puts
+    series["grpc_download"].samples.append(
+        timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server)
+    )
+    gets = kv.get_batches(p, tag)
+    series["kvtag_get"].samples.append(timed_calls([kv.get_call(r) for r in gets], kv_server))
+    if p.value_size == MiB:  # the target size: also with two RPCs in flight
+        two_in_flight_pass(t, p, values, tag, series)
+    # Echo at the value size: one value per message, both ways (the plain gRPC baseline).
+    echo_n = max(1, p.volume // p.value_size // 2)
+    series["grpc_echo"].samples.append(
+        timed_calls([ref.echo_call(pool[i]) for i in range(echo_n)], echo_server)
+    )
+
+
+def two_in_flight_pass(
+    t: Subjects, p: Plan, values: list[bytes], tag: str, series: dict[str, Series]
+) -> None:
+    """The 1 MiB extras: two RPCs in flight both ways, and the generated-stub Put."""
+    kv, ref, kv_server, echo_server = t.kv, t.ref, t.kv_server, t.echo_server
+    payload = b"".join(values[: p.batch_items])
+    series["grpc_upload_2inflight"].samples.append(
+        timed_calls([ref.upload_call(payload)] * p.batches, echo_server, 2)
+    )
+    del payload
+    generated = kv.put_generated_batches(p, t.pools[p.value_size], tag + "/generated")
+    series["kvtag_put_generated"].samples.append(
+        timed_calls([kv.put_generated_call(r, p.batch_bytes) for r in generated], kv_server)
+    )
+    del generated
+    puts = kv.put_batches(p, t.pools[p.value_size], tag + "/2inflight")
+    series["kvtag_put_2inflight"].samples.append(
+        timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server, 2)
+    )
+    del puts
+    series["grpc_download_2inflight"].samples.append(
+        timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server, 2)
+    )
+    gets = kv.get_batches(p, tag + "/2inflight")
+    series["kvtag_get_2inflight"].samples.append(timed_calls([kv.get_call(r) for r in gets], kv_server, 2))
+
+
+def lookup_pass(t: Subjects, count: int, lat: dict[str, list[list[float]]]) -> None:
+    """One repeat of the Lookup latencies and their raw-gRPC echo bounds."""
+    kv, ref, sets = t.kv, t.ref, t.lookups
+    sets.ensure_present(kv)
+    lat["kvtag_lookup_4096_hit"].append([kv.lookup_latency(sets.request, LOOKUP_KEYS) for _ in range(count)])
+    lat["kvtag_lookup_4096_hit_64KiB_values"].append(
+        [kv.lookup_latency(sets.big_request, LOOKUP_KEYS) for _ in range(max(5, count // 4))]
+    )
+    lat["kvtag_lookup_4096_miss"].append([kv.lookup_latency(sets.miss_request, 0) for _ in range(count)])
+    lat["grpc_echo_same_bytes"].append([ref.latency(sets.echo_payload) for _ in range(count)])
+    lat["grpc_echo_1_byte"].append([ref.latency(b"x") for _ in range(count)])
+
+
+def profile_phases(t: Subjects, args: argparse.Namespace, log_dir: Path) -> dict[str, dict[str, Any]]:
+    """py-spy profiles of the server under back-to-back 1 MiB Puts, 1 MiB Gets and Lookups."""
+    py_spy = find_py_spy(args.py_spy)
+    if py_spy is None:
+        return {"error": {"error": "py-spy not found (pip install py-spy==0.4.3, or pass --py-spy PATH)"}}
+    kv, sets = t.kv, t.lookups
+    p1 = next(p for p in t.plans if p.value_size == MiB)
+    one = Plan(p1.value_size, p1.batch_items, 1)
+    counter = iter(range(10**9))
+    recent: collections.deque[str] = collections.deque(maxlen=8)
+
+    def put_work() -> None:
+        recent.append(f"profile/{next(counter)}")
+        for items in kv.put_batches(one, t.pools[MiB], recent[-1]):
+            kv.put_call(items, one.batch_bytes)()
+
+    def get_work() -> None:  # reads the latest profile puts: older ones may be evicted
+        recent.rotate(1)
+        for g in kv.get_batches(one, recent[0]):
+            kv.get_call(g)()
+
+    def lookup_work() -> None:
+        kv.lookup_latency(sets.request, LOOKUP_KEYS)
+
+    profile: dict[str, dict[str, Any]] = {}
+    for name, work, what in (
+        ("put_1MiB", put_work, "1 MiB Put batches, back to back"),
+        ("get_1MiB", get_work, "1 MiB Get batches, back to back"),
+        ("lookup_4096", lookup_work, "4,096-key Lookup, all hits, back to back"),
+    ):
+        kv.ensure_present(sets.request, sets.keys, b"v" * 64)  # the put phase may evict it
+        raw = log_dir / f"kvtag-server-{name}.pyspy.txt"
+        profile[name] = profile_server(py_spy, t.kv_server, work, args.profile, raw)
+        profile[name]["workload"] = what
+        profile[name]["raw_stacks"] = str(raw)
+    return profile
+
+
+def throughput_summary(series: dict[str, dict[str, Series]]) -> dict[str, Any]:
+    """Per value size: each column's summary and the ratios between them (medians of the same run)."""
+    results: dict[str, Any] = {}
+    for label, by_kind in series.items():
+        summary = {kind: s.summary() for kind, s in by_kind.items()}
+        med = {kind: summary[kind]["GBps_median"] for kind in summary}
+        ratios = {
+            "put/grpc_upload": round(med["kvtag_put"] / med["grpc_upload"], 3),
+            "get/grpc_download": round(med["kvtag_get"] / med["grpc_download"], 3),
+            "put/grpc_echo": round(med["kvtag_put"] / med["grpc_echo"], 3),
+            "get/grpc_echo": round(med["kvtag_get"] / med["grpc_echo"], 3),
+            "put/memcpy": round(med["kvtag_put"] / med["memcpy"], 4),
+            "put/memcpy_fresh": round(med["kvtag_put"] / med["memcpy_fresh"], 4),
+            "get/memcpy": round(med["kvtag_get"] / med["memcpy"], 4),
+        }
+        if "kvtag_put_generated" in med:
+            ratios["put_generated/grpc_upload"] = round(med["kvtag_put_generated"] / med["grpc_upload"], 3)
+        if "kvtag_put_2inflight" in med:
+            ratios["put_2inflight/grpc_upload_2inflight"] = round(
+                med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
+            )
+            ratios["get_2inflight/grpc_download_2inflight"] = round(
+                med["kvtag_get_2inflight"] / med["grpc_download_2inflight"], 3
+            )
+        summary["ratios"] = ratios
+        results[label] = summary
+    return results
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     quick: bool = args.quick
     repeats: int = args.repeats or (3 if quick else 7)
@@ -719,40 +924,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with start_server("grpc-bytes", echo_argv, echo_port, log_dir, server_env) as echo_server:
             echo_channel = grpc.insecure_channel(echo_server.address, options=channel_options(max_msg))
             wait_ready(echo_server, echo_channel)
-            ref = BytesBench(echo_channel)
             plans = [plan_for(size, volume, kv.limits) for size in VALUE_SIZES]
-            pools = {p.value_size: ValuePool(p.value_size, max(p.batch_bytes, 32 * MiB)) for p in plans}
             dst = memoryview(bytearray(max(p.volume for p in plans)))
             dst[:] = bytes(len(dst))  # touch every page before timing
-
-            # Lookup set-up: 4,096 ordered keys present with small values, and the same count with 64 KiB
-            # values. Lookup is a key query (no checksum pass over hit values), so the two should match.
-            lookup_keys = [block_key("lookup-small", i) for i in range(LOOKUP_KEYS)]
-            kv.put_values(lookup_keys, b"v" * 64)
-            lookup_req = kv.lookup_request(lookup_keys)
-            lookup_req_bytes = lookup_req.ByteSize()
-            big_keys = [block_key("lookup-64KiB", i) for i in range(LOOKUP_KEYS)]
-            big_value = os.urandom(64 * KiB)
-            kv.put_values(big_keys, big_value)
-            big_req = kv.lookup_request(big_keys)
-            miss_req = kv.lookup_request([block_key("lookup-miss", i) for i in range(LOOKUP_KEYS)])
-            ref_payload = os.urandom(lookup_req_bytes)
-
-            # Warm-up: connections, thread pools, allocator, every download size.
-            for p in plans:
-                for items in kv.put_batches(
-                    Plan(p.value_size, p.batch_items, 1), pools[p.value_size], f"warm/{p.value_size}"
-                ):
-                    kv.put_call(items, p.batch_bytes)()
-                for greq in kv.get_batches(Plan(p.value_size, p.batch_items, 1), f"warm/{p.value_size}"):
-                    kv.get_call(greq)()
-                ref.download_call(p.batch_bytes)()
-                ref.upload_call(pools[p.value_size][0] * p.batch_items)()
-                ref.echo_call(pools[p.value_size][0])()
-            for _ in range(3):
-                kv.lookup_latency(lookup_req, LOOKUP_KEYS)
-                ref.latency(ref_payload)
-
+            t = Subjects(
+                kv,
+                kv_server,
+                BytesBench(echo_channel),
+                echo_server,
+                plans,
+                {p.value_size: ValuePool(p.value_size, max(p.batch_bytes, 32 * MiB)) for p in plans},
+                dst,
+                LookupSets.create(kv),
+            )
+            warm_up(t)
             series: dict[str, dict[str, Series]] = {
                 f"{p.value_size // KiB}KiB": collections.defaultdict(Series) for p in plans
             }
@@ -762,117 +947,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 loadavg.append(os.getloadavg())
                 for p in plans:
                     label = f"{p.value_size // KiB}KiB"
-                    pool = pools[p.value_size]
-                    tag = f"r{rep}/{label}"
-                    values = [pool[i] for i in range(p.batch_items * p.batches)]
-                    series[label]["memcpy"].samples.append(memcpy_pass(values, dst))
-                    series[label]["memcpy_fresh"].samples.append(memcpy_fresh_pass(values))
-                    payload = b"".join(values[: p.batch_items])
-                    series[label]["grpc_upload"].samples.append(
-                        timed_calls([ref.upload_call(payload)] * p.batches, echo_server)
-                    )
-                    del payload
-                    puts = kv.put_batches(p, pool, tag)
-                    series[label]["kvtag_put"].samples.append(
-                        timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server)
-                    )
-                    del puts
-                    series[label]["grpc_download"].samples.append(
-                        timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server)
-                    )
-                    gets = kv.get_batches(p, tag)
-                    series[label]["kvtag_get"].samples.append(
-                        timed_calls([kv.get_call(r) for r in gets], kv_server)
-                    )
-                    if p.value_size == MiB:  # the target size: also with two RPCs in flight
-                        payload = b"".join(values[: p.batch_items])
-                        series[label]["grpc_upload_2inflight"].samples.append(
-                            timed_calls([ref.upload_call(payload)] * p.batches, echo_server, 2)
-                        )
-                        del payload
-                        generated = kv.put_generated_batches(p, pool, tag + "/generated")
-                        series[label]["kvtag_put_generated"].samples.append(
-                            timed_calls(
-                                [kv.put_generated_call(r, p.batch_bytes) for r in generated], kv_server
-                            )
-                        )
-                        del generated
-                        puts = kv.put_batches(p, pool, tag + "/2inflight")
-                        series[label]["kvtag_put_2inflight"].samples.append(
-                            timed_calls([kv.put_call(items, p.batch_bytes) for items in puts], kv_server, 2)
-                        )
-                        del puts
-                        series[label]["grpc_download_2inflight"].samples.append(
-                            timed_calls([ref.download_call(p.batch_bytes)] * p.batches, echo_server, 2)
-                        )
-                        gets = kv.get_batches(p, tag + "/2inflight")
-                        series[label]["kvtag_get_2inflight"].samples.append(
-                            timed_calls([kv.get_call(r) for r in gets], kv_server, 2)
-                        )
-                    # Echo at the value size: one value per message, both ways (the plain gRPC baseline).
-                    echo_n = max(1, p.volume // p.value_size // 2)
-                    series[label]["grpc_echo"].samples.append(
-                        timed_calls([ref.echo_call(pool[i]) for i in range(echo_n)], echo_server)
-                    )
-                # A small --capacity may have evicted the lookup sets: put them back (untimed).
-                kv.ensure_present(lookup_req, lookup_keys, b"v" * 64)
-                kv.ensure_present(big_req, big_keys, big_value)
-                lat["kvtag_lookup_4096_hit"].append(
-                    [kv.lookup_latency(lookup_req, LOOKUP_KEYS) for _ in range(lookups_per_repeat)]
-                )
-                lat["kvtag_lookup_4096_hit_64KiB_values"].append(
-                    [kv.lookup_latency(big_req, LOOKUP_KEYS) for _ in range(max(5, lookups_per_repeat // 4))]
-                )
-                lat["kvtag_lookup_4096_miss"].append(
-                    [kv.lookup_latency(miss_req, 0) for _ in range(lookups_per_repeat)]
-                )
-                lat["grpc_echo_same_bytes"].append(
-                    [ref.latency(ref_payload) for _ in range(lookups_per_repeat)]
-                )
-                lat["grpc_echo_1_byte"].append([ref.latency(b"x") for _ in range(lookups_per_repeat)])
+                    transfer_pass(t, p, f"r{rep}/{label}", series[label])
+                lookup_pass(t, lookups_per_repeat, lat)
             loadavg.append(os.getloadavg())
-
-            profile: dict[str, dict[str, Any]] | None = None
-            if args.profile:
-                py_spy = find_py_spy(args.py_spy)
-                if py_spy is None:
-                    profile = {
-                        "error": {
-                            "error": "py-spy not found (pip install py-spy==0.4.3, or pass --py-spy PATH)"
-                        }
-                    }
-                else:
-                    p1 = next(p for p in plans if p.value_size == MiB)
-                    one = Plan(p1.value_size, p1.batch_items, 1)
-                    counter = iter(range(10**9))
-
-                    recent: collections.deque[str] = collections.deque(maxlen=8)
-
-                    def put_work() -> None:
-                        recent.append(f"profile/{next(counter)}")
-                        for items in kv.put_batches(one, pools[MiB], recent[-1]):
-                            kv.put_call(items, one.batch_bytes)()
-
-                    def get_work() -> None:  # reads the latest profile puts: older ones may be evicted
-                        recent.rotate(1)
-                        for g in kv.get_batches(one, recent[0]):
-                            kv.get_call(g)()
-
-                    def lookup_work() -> None:
-                        kv.lookup_latency(lookup_req, LOOKUP_KEYS)
-
-                    profile = {}
-                    for name, work, what in (
-                        ("put_1MiB", put_work, "1 MiB Put batches, back to back"),
-                        ("get_1MiB", get_work, "1 MiB Get batches, back to back"),
-                        ("lookup_4096", lookup_work, "4,096-key Lookup, all hits, back to back"),
-                    ):
-                        kv.ensure_present(lookup_req, lookup_keys, b"v" * 64)  # the put phase may evict it
-                        raw = log_dir / f"kvtag-server-{name}.pyspy.txt"
-                        profile[name] = profile_server(py_spy, kv_server, work, args.profile, raw)
-                        profile[name]["workload"] = what
-                        profile[name]["raw_stacks"] = str(raw)
-
+            profile = profile_phases(t, args, log_dir) if args.profile else None
             stats = kv.stub.GetStats(pb.GetStatsRequest())
             server_state = {
                 "kvtag_rss_bytes": kv_server.rss_bytes(),
@@ -886,30 +964,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.profile:  # server logs are only kept when a run fails (or holds profiles)
         shutil.rmtree(log_dir, ignore_errors=True)
-    results: dict[str, Any] = {}
-    for label, by_kind in series.items():
-        summary = {kind: s.summary() for kind, s in by_kind.items()}
-        med = {kind: summary[kind]["GBps_median"] for kind in summary}
-        ratios = {
-            "put/grpc_upload": round(med["kvtag_put"] / med["grpc_upload"], 3),
-            "get/grpc_download": round(med["kvtag_get"] / med["grpc_download"], 3),
-            "put/grpc_echo": round(med["kvtag_put"] / med["grpc_echo"], 3),
-            "get/grpc_echo": round(med["kvtag_get"] / med["grpc_echo"], 3),
-            "put/memcpy": round(med["kvtag_put"] / med["memcpy"], 4),
-            "put/memcpy_fresh": round(med["kvtag_put"] / med["memcpy_fresh"], 4),
-            "get/memcpy": round(med["kvtag_get"] / med["memcpy"], 4),
-        }
-        if "kvtag_put_generated" in med:
-            ratios["put_generated/grpc_upload"] = round(med["kvtag_put_generated"] / med["grpc_upload"], 3)
-        if "kvtag_put_2inflight" in med:
-            ratios["put_2inflight/grpc_upload_2inflight"] = round(
-                med["kvtag_put_2inflight"] / med["grpc_upload_2inflight"], 3
-            )
-            ratios["get_2inflight/grpc_download_2inflight"] = round(
-                med["kvtag_get_2inflight"] / med["grpc_download_2inflight"], 3
-            )
-        summary["ratios"] = ratios
-        results[label] = summary
+    results = throughput_summary(series)
     latency = {name: latency_summary([s for rep in reps for s in rep], reps) for name, reps in lat.items()}
     put1 = results["1024KiB"]["kvtag_put"]["GBps_median"]
     get1 = results["1024KiB"]["kvtag_get"]["GBps_median"]
@@ -929,7 +984,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "lookup_keys": LOOKUP_KEYS,
             "key_bytes": KEY_BYTES,
             "lookups_per_repeat": lookups_per_repeat,
-            "lookup_request_bytes": lookup_req_bytes,
+            "lookup_request_bytes": len(t.lookups.echo_payload),
             "kvtag_server_argv": kv_argv,
             "server_env": server_env,
             "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
