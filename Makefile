@@ -90,7 +90,15 @@ test-container: $(STAMPS)/dev
 	scripts/test_container.sh
 
 # Benchmarks are scripts, not tests: each prints a table and writes JSON under benchmarks/results/.
-bench: $(STAMPS)/dev
+# bench_client (the client and connector paths, the headline) and bench_scheduler need torch and vLLM,
+# so they run in the vLLM environment; Redis is their reference column.
+bench: $(STAMPS)/dev $(STAMPS)/vllm $(STAMPS)/service
+	scripts/install_redis.sh
+	$(VLLM_VENV)/bin/pip install -q -c requirements/constraints.txt -r requirements/bench.txt
+	cd benchmarks && ../$(VLLM_VENV)/bin/python bench_client.py --kvtag-store ../$(VENV)/bin/kvtag-store \
+	  --out results/client.json
+	cd benchmarks && ../$(VLLM_VENV)/bin/python bench_scheduler.py --out results/scheduler.json
+	$(VENV)/bin/python benchmarks/bench_codecs.py --out benchmarks/results/codecs.json
 	$(VENV)/bin/python benchmarks/bench_service.py --out benchmarks/results/service.json
 
 bench-mooncake: $(STAMPS)/dev
