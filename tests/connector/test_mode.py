@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -69,9 +70,9 @@ def test_set_lookahead_block_hashes_is_honoured_and_reopens_the_session(
 
 def test_unsupported_vllm_versions_fail_with_the_version_named() -> None:
     assert compat.check_supported("0.32.0") == "0.32.0"
-    assert compat.check_supported("0.33.1") == "0.33.1"
-    for version in ("0.31.2", "0.34.0", "1.0.0"):
-        with pytest.raises(compat.UnsupportedVllmVersion, match=version.replace(".", r"\.")):
+    assert compat.check_supported("0.32.1+cpu") == "0.32.1+cpu"
+    for version in ("0.31.2", "0.33.0", "0.33.1rc1+cpu", "1.0.0"):
+        with pytest.raises(compat.UnsupportedVllmVersion, match=re.escape(version)):
             compat.check_supported(version)
 
 
