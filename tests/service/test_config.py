@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 from kvtag.v1 import store_pb2 as pb
+from kvtag_store.backends.mooncake import options as mooncake_options
+from kvtag_store.backends.mooncake.backend import MooncakeSettings
 from kvtag_store.cli import build_parser
 from kvtag_store.config import env_name, parse_namespace_policy, parse_size, service_config
 
@@ -54,3 +57,14 @@ def test_namespace_policy_needs_an_id_and_a_known_policy() -> None:
         parse_namespace_policy("strict")
     with pytest.raises(argparse.ArgumentTypeError, match="isolate or strict"):
         parse_namespace_policy("ns-a=lenient")
+
+
+def test_mooncake_flags_default_to_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults are written once, in MooncakeSettings: with no flag, variable or config file for them,
+    `serve --backend mooncake` runs on exactly the dataclass's defaults."""
+    for name in [n for n in os.environ if n.startswith("KVTAG_MOONCAKE_")]:
+        monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve", "--backend", "mooncake", "--mooncake-master", "10.0.0.1:1"])
+    assert mooncake_options.settings_from(args) == MooncakeSettings(
+        master="10.0.0.1:1", metrics="10.0.0.1:9003"
+    )

@@ -19,18 +19,33 @@ from typing import Any
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.backends.mooncake.backend import MooncakeSettings
 from kvtag_store.config import env_name as _flag_env_name
+from kvtag_store.config import format_size
 from kvtag_store.config import parse_size as parse_size
 
+# The defaults are MooncakeSettings' own, written there once; the flags only spell them.
+_DEFAULT = MooncakeSettings(master="", metrics="")
 # name -> (default, help). Names are the flag suffixes; env is KVTAG_MOONCAKE_<NAME upper, _>.
 _OPTIONS: dict[str, tuple[str | None, str]] = {
     "master": (None, "Mooncake master RPC address HOST:PORT (required for --backend mooncake)"),
     "metrics": (None, "master metrics/health address HOST:PORT (default: the master host, port 9003)"),
-    "local-hostname": ("127.0.0.1", "address this process's transfer engine advertises to the cluster"),
-    "protocol": ("tcp", "transfer protocol: tcp or rdma"),
-    "device-names": ("", "RDMA device names for --mooncake-protocol rdma"),
-    "local-buffer": ("64MiB", "local transfer buffer; the largest block is a quarter of it"),
-    "segment-size": ("0", "memory this process contributes to the cluster (0: a pure client)"),
-    "lease-ttl-ms": ("10000", "the master's --default_kv_lease_ttl; pinned blocks are renewed every third"),
+    "local-hostname": (
+        _DEFAULT.local_hostname,
+        "address this process's transfer engine advertises to the cluster",
+    ),
+    "protocol": (_DEFAULT.protocol, "transfer protocol: tcp or rdma"),
+    "device-names": (_DEFAULT.device_names, "RDMA device names for --mooncake-protocol rdma"),
+    "local-buffer": (
+        format_size(_DEFAULT.local_buffer_bytes),
+        "local transfer buffer; the largest block is a quarter of it",
+    ),
+    "segment-size": (
+        format_size(_DEFAULT.segment_bytes),
+        "memory this process contributes to the cluster (0: a pure client)",
+    ),
+    "lease-ttl-ms": (
+        str(_DEFAULT.lease_ttl_ms),
+        "the master's --default_kv_lease_ttl; pinned blocks are renewed every third",
+    ),
 }
 
 
