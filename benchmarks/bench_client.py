@@ -227,11 +227,11 @@ def get_all(client: StoreClient, keys: Sequence[bytes], values: Sequence[bytes],
 
 def grpc_shape(value_size: int, per_batch: int) -> tuple[int, int]:
     """(values per message, calls in flight) the client uses for a batch of this shape."""
-    from kvtag_client import store as store_module
+    from kvtag_client import inline_transfer
 
-    share = -(-value_size * per_batch // store_module._IN_FLIGHT)
-    target = min(store_module._MAX_MESSAGE, max(store_module._MIN_MESSAGE, share))
-    return max(1, target // (value_size + store_module._ITEM_OVERHEAD)), store_module._IN_FLIGHT
+    share = -(-value_size * per_batch // inline_transfer._IN_FLIGHT)
+    target = min(inline_transfer._MAX_MESSAGE, max(inline_transfer._MIN_MESSAGE, share))
+    return max(1, target // (value_size + inline_transfer._ITEM_OVERHEAD)), inline_transfer._IN_FLIGHT
 
 
 class RawGrpc:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_client.store import PackedKeys, _chunked, pack_blocks
+from kvtag_client.lookups import _chunked
+from kvtag_client.store import PackedKeys, pack_blocks
 
 from tests.store_process import StoreProcess
 

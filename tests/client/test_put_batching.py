@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
-from kvtag_client.store import _ITEM_OVERHEAD, StoreClient
+from kvtag_client.inline_transfer import _ITEM_OVERHEAD
+from kvtag_client.store import StoreClient
 
 from tests.descriptors import namespace
 from tests.net import free_port

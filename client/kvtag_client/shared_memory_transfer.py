@@ -1,0 +1,188 @@
+"""The shared-memory data path: values written into and read from the store's arena slots; the
+messages carry only slot references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from kvtag.v1 import store_pb2 as pb
+
+from kvtag_client.calls import Calls
+from kvtag_client.session import _CallFailed, _Deadline
+from kvtag_client.shared_memory import ArenaMapping
+
+# A (group, key, length, base_key) item for a put whose bytes the caller writes (reserve / put_from).
+SizedItem = tuple[int, bytes, int, bytes]
+
+
+@dataclass
+class SharedPut:
+    """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
+    into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
+    (ALREADY_PRESENT, CONFLICT, REJECTED)."""
+
+    session_id: str
+    items: list[SizedItem]
+    statuses: list[int]
+    slots: list[memoryview | None]
+    refs: list[pb.SharedMemoryRef | None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(slot.nbytes for slot in self.slots if slot is not None)
+
+
+class SharedMemoryTransfer(Calls):
+    """StoreClient's reservations, commits and reads of arena slots."""
+
+    def reserve(self, items: Sequence[SizedItem]) -> SharedPut | None:
+        """Slots for a shared-memory put, or None when this session is not on the shared-memory path
+        (or the store failed: the items are then counted as dropped)."""
+        arena = self._shared_arena()
+        if arena is None or not items:
+            return None
+        statuses: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
+        slots: list[memoryview | None] = [None] * len(items)
+        refs: list[pb.SharedMemoryRef | None] = [None] * len(items)
+        sendable = [n for n, (_, key, _, _) in enumerate(items) if self._valid_key(key)]
+        for n in range(len(items)):
+            if not self._valid_key(items[n][1]):
+                statuses[n] = pb.REJECTED
+        deadline = _Deadline(self.rpc_timeout_s)
+        size = self._batch_size()
+        session_id = ""
+        try:
+            for start in range(0, len(sendable), size):
+                chunk = sendable[start : start + size]
+                request_items = [
+                    pb.SlotRequest(
+                        block=self._block_ref(items[n][0], items[n][1], items[n][3]), length=items[n][2]
+                    )
+                    for n in chunk
+                ]
+
+                def rpc(
+                    sid: str, timeout: float, request_items: list[pb.SlotRequest] = request_items
+                ) -> tuple[str, pb.ReserveSlotsResponse]:
+                    request = pb.ReserveSlotsRequest(session_id=sid, items=request_items)
+                    return sid, self._stub.ReserveSlots(request, timeout=timeout)
+
+                session_id, response = self._call(deadline, rpc)
+                for n, grant in zip(chunk, response.grants, strict=False):
+                    if grant.HasField("slot"):
+                        try:
+                            slots[n] = arena.slot(grant.slot)
+                        except ValueError:
+                            statuses[n] = pb.REJECTED
+                            continue
+                        refs[n] = grant.slot
+                    else:
+                        statuses[n] = grant.status
+        except _CallFailed:
+            with self._lock:
+                self.counters.put_dropped += len(items)
+            return None
+        return SharedPut(session_id, list(items), statuses, slots, refs)
+
+    def commit(self, reservation: SharedPut) -> list[int] | None:
+        """Make the written slots of a reservation visible; a PutStatus per item, or None when the
+        store could not be reached (the slots are freed when the session ends)."""
+        results = list(reservation.statuses)
+        chunk_size = self._batch_size()
+        pending = [n for n, ref in enumerate(reservation.refs) if ref is not None]
+        deadline = _Deadline(self.rpc_timeout_s)
+        sent_any = False
+        try:
+            for start in range(0, len(pending), chunk_size):
+                chunk = pending[start : start + chunk_size]
+                generations = [ref.generation for n in chunk if (ref := reservation.refs[n]) is not None]
+
+                def rpc(sid: str, timeout: float, generations: list[int] = generations) -> list[int]:
+                    request = pb.CommitSlotsRequest(session_id=sid, generations=generations)
+                    response: pb.PutResponse = self._stub.CommitSlots(request, timeout=timeout)
+                    return [r.status for r in response.results]
+
+                for n, status in zip(chunk, self._call(deadline, rpc), strict=False):
+                    results[n] = status
+                sent_any = True
+        except _CallFailed:
+            pass
+        with self._lock:
+            c = self.counters
+            c.put_stored += results.count(pb.STORED)
+            c.put_present += results.count(pb.ALREADY_PRESENT)
+            c.put_conflict += results.count(pb.CONFLICT)
+            c.put_rejected += results.count(pb.REJECTED)
+            c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
+        if pending and not sent_any and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
+            return None
+        return [int(r) for r in results]
+
+    def _get_shared(
+        self,
+        arena: ArenaMapping,
+        blocks: Sequence[tuple[int, bytes]],
+        lease_id: str,
+        sink: Callable[[int, memoryview], bool],
+    ) -> list[bool]:
+        """get_into() over the arena (see StoreClient.get_into)."""
+        served = [False] * len(blocks)
+        if not blocks:
+            if lease_id:
+                self.release(lease_id)
+            return served
+        valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
+        size = self._batch_size()
+        chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
+        deadline = _Deadline(self.rpc_timeout_s)
+        try:
+            for c, chunk in enumerate(chunks):
+                last = c == len(chunks) - 1
+                refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
+
+                def rpc(
+                    sid: str, timeout: float, refs: list[pb.BlockRef] = refs, last: bool = last
+                ) -> pb.GetReferencesResponse:
+                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
+                    response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
+                    return response
+
+                response = self._call(deadline, rpc)
+                try:
+                    for n, result in zip(chunk, response.results, strict=False):
+                        if result.status != pb.HIT or not result.HasField("slot"):
+                            continue
+                        ref = result.slot
+                        try:
+                            source = arena.slot(ref)
+                        except ValueError:
+                            continue
+                        if arena.current(ref) and sink(n, source) and arena.current(ref):
+                            served[n] = True
+                finally:
+                    if response.lease.lease_id:
+                        self._release_soon(response.lease.lease_id)
+        except _CallFailed:
+            if lease_id:
+                self.release(lease_id)
+        with self._lock:
+            self.counters.get_failed += served.count(False)
+        return served
+
+    def _release_soon(self, lease_id: str) -> None:
+        """Release a read lease without waiting for the answer (it only unpins; leases also expire)."""
+        with self._lock:
+            session_id = self.session_id
+        future = self._stub.ReleaseLeases.future(
+            pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=[lease_id]), timeout=self.rpc_timeout_s
+        )
+        # A dropped grpc future cancels its call: keep it until done.
+        with self._lock:
+            self._releases.add(future)
+        future.add_done_callback(self._released)
+
+    def _released(self, future: grpc.Future) -> None:
+        with self._lock:
+            self._releases.discard(future)
