@@ -4,6 +4,8 @@ This is the one fake in the client suite, and it only injects the fault: while
 healthy it forwards raw request bytes to the real store and its answers back.
 With `v1_lookup` set it plays a store older than Lookup's packed form: such a
 store's parser skips the unknown packed_blocks field, so the proxy drops it.
+With `busy_marker` set it plays a store at its admission limit for every Put whose
+bytes contain the marker (RESOURCE_EXHAUSTED / SERVER_BUSY with a retry hint).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class FaultProxy:
         self.failing = threading.Event()
         self.v1_lookup = threading.Event()
         self.failed_calls = 0
+        self.busy_marker: bytes | None = None
+        self.busy_calls = 0
         self._channel = grpc.insecure_channel(upstream, options=[("grpc.max_receive_message_length", -1)])
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         self._server.add_generic_rpc_handlers([_Handler(self)])
@@ -51,6 +55,17 @@ class FaultProxy:
     def unary(self, method: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         if self.failing.is_set():
             self.fail(context)
+        marker = self.busy_marker
+        if marker is not None and method.endswith("/Put") and marker in request:
+            self.busy_calls += 1
+            context.abort_with_status(
+                build_status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "SERVER_BUSY",
+                    "injected fault: admission limit reached",
+                    retry_delay_ms=50,
+                )
+            )
         if self.v1_lookup.is_set() and method.endswith("/Lookup"):
             message = pb.LookupRequest.FromString(request)
             message.ClearField("packed_blocks")
