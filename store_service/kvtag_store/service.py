@@ -54,6 +54,7 @@ def message_headroom(max_message_bytes: int) -> int:
 
 STREAM_MESSAGE_BYTES = (4 << 20) - (64 << 10)
 _HIT, _MISS, _MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
+_HIT_BYTE = bytes([_HIT])
 
 _SHM_REFUSED = PutResult(
     PutOutcome.REJECTED,
@@ -411,23 +412,27 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     @rpc(intake.LOOKUP)
     def Lookup(self, request: wire.LookupBatch, context: grpc.ServicerContext) -> pb.LookupResponse:
         session = self._session(request.session_id, context, "Lookup")
+        ns_id, mode_id = session.namespace_id, session.mode_id
         if request.packed:
             assert request.message is not None
             validation.packed_blocks(request.message, self.limits)
-            addresses = wire.packed_addresses(request.message.packed_blocks)
+            packed, pinned = self._lookup_packed(ns_id, mode_id, request.message.packed_blocks)
+            hits = packed.count(_HIT)
+            mismatches = packed.count(_MISMATCH)
+            misses = len(packed) - hits - mismatches
+            prefix = len(packed) - len(packed.lstrip(_HIT_BYTE))
+            statuses: Sequence[int] = packed
+            response = pb.LookupResponse(prefix_length=prefix, packed_statuses=packed)
         else:
             addresses = validation.addresses(request.addresses, "blocks", self.limits, request.key_length)
-        ns_id, mode_id = session.namespace_id, session.mode_id
-        statuses, pinned = self._lookup_and_pin(ns_id, mode_id, addresses)
-        hits = statuses.count(_HIT)
-        mismatches = statuses.count(_MISMATCH)
-        misses = len(statuses) - hits - mismatches
-        prefix = _prefix_length(statuses, misses, mismatches)
+            listed, pinned = self._lookup_and_pin(ns_id, mode_id, addresses)
+            hits = listed.count(_HIT)
+            mismatches = listed.count(_MISMATCH)
+            misses = len(listed) - hits - mismatches
+            prefix = _prefix_length(listed, misses, mismatches)
+            statuses = listed
+            response = pb.LookupResponse(prefix_length=prefix, statuses=listed)  # type: ignore[arg-type]
         cross = self._cross_mode_misses(session, request, statuses) if misses else None
-        if request.packed:
-            response = pb.LookupResponse(prefix_length=prefix, packed_statuses=bytes(statuses))
-        else:
-            response = pb.LookupResponse(prefix_length=prefix, statuses=statuses)  # type: ignore[arg-type]
         if pinned:
             lease_ms = min(request.lease_ms or self.config.default_lease_ms, self.config.max_lease_ms)
             response.lease.lease_id = self.sessions.add_lease(session, ns_id, pinned, lease_ms)
@@ -437,6 +442,19 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if cross:
             self.metrics.cross_mode_misses.inc(sum(cross.values()))
         return response
+
+    def _lookup_packed(
+        self, ns_id: str, mode_id: str, runs: Sequence[pb.PackedBlocks]
+    ) -> tuple[bytes, Sequence[BlockAddress]]:
+        """A status byte per key of validated packed runs, and the pinned hits. The memory backend
+        answers on the key bytes (no tuple per key); other backends get (group, key) addresses."""
+        packed = getattr(self.backend, "lookup_packed_and_pin", None)
+        if packed is not None:
+            split = [(run.group, wire.split_keys(run.keys, run.key_length)) for run in runs]
+            statuses, pinned = packed(ns_id, mode_id, split)
+            return statuses, pinned if pinned is not None else ()
+        listed, pinned = self._lookup_and_pin(ns_id, mode_id, wire.packed_addresses(runs))
+        return bytes(listed), pinned
 
     def _lookup_and_pin(
         self, ns_id: str, mode_id: str, addresses: list[BlockAddress]
@@ -460,7 +478,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return statuses, pinned
 
     def _cross_mode_misses(
-        self, session: Session, request: wire.LookupBatch, statuses: list[KeyStatus]
+        self, session: Session, request: wire.LookupBatch, statuses: Sequence[int]
     ) -> Counter[str] | None:
         """Misses another mode holds, by base key. Clients send base keys for all items or none, so the
         first miss tells whether to look (reading base_key of every item would double Lookup's cost)."""

@@ -9,6 +9,7 @@ from kvtag.v1 import store_pb2 as pb
 from tests.descriptors import namespace
 
 from .conftest import ServerFactory
+from .helpers import Store
 
 BLOCK = 1000  # bytes per value; the stores below hold 4 of them
 
@@ -210,3 +211,47 @@ def test_lease_ids_are_unguessable_tokens(make_store: ServerFactory) -> None:
     # No shared prefix beyond chance: ids are not a counter under a per-process prefix.
     tokens = sorted(lease_id.removeprefix("l-") for lease_id in ids)
     assert len({t[:8] for t in tokens}) > 40
+
+
+def _lookup_packed(store: Store, session: str, *keys: bytes) -> pb.LookupResponse:
+    runs = [pb.PackedBlocks(key_length=2, keys=b"".join(keys))]
+    response: pb.LookupResponse = store.stub.Lookup(
+        pb.LookupRequest(session_id=session, packed_blocks=runs), timeout=5
+    )
+    return response
+
+
+def test_a_packed_lookup_lease_holds_exactly_its_hits_against_eviction(make_store: ServerFactory) -> None:
+    """The packed form pins its hits as one lease object, not per key: eviction still skips exactly
+    those blocks."""
+    store = make_store(capacity=3 * BLOCK)
+    session = store.open().session_id
+    store.put(session, (b"k1", bytes(BLOCK)), (b"k2", bytes(BLOCK)), (b"k3", bytes(BLOCK)))
+    assert _lookup_packed(store, session, b"k1", b"k3", b"kx").lease.lease_id
+    assert store.stats().leased_keys == 2
+    assert store.put(session, (b"n1", bytes(BLOCK))) == [pb.STORED]  # k1 is older but leased
+    statuses = list(_lookup_packed(store, session, b"k1", b"k2", b"k3", b"n1").packed_statuses)
+    assert statuses == [pb.HIT, pb.MISS, pb.HIT, pb.HIT]
+    assert store.stats().evictions == 1
+
+
+def test_a_store_full_of_packed_leases_rejects_until_they_are_released(make_store: ServerFactory) -> None:
+    store = make_store(capacity=2 * BLOCK)
+    session = store.open().session_id
+    store.put(session, (b"k1", bytes(BLOCK)), (b"k2", bytes(BLOCK)))
+    lease = _lookup_packed(store, session, b"k1", b"k2").lease
+    response = store.stub.Put(
+        pb.PutRequest(
+            session_id=session, items=[pb.PutItem(block=pb.BlockRef(key=b"n1"), value=bytes(BLOCK))]
+        ),
+        timeout=5,
+    )
+    [result] = response.results
+    assert result.status == pb.REJECTED
+    assert f"{2 * BLOCK} of {2 * BLOCK} bytes are leased" in result.reason
+    store.stub.ReleaseLeases(
+        pb.ReleaseLeasesRequest(session_id=session, lease_ids=[lease.lease_id]), timeout=5
+    )
+    assert store.stats().leased_keys == 0
+    assert store.put(session, (b"n1", bytes(BLOCK))) == [pb.STORED]
+    assert store.stats().evictions == 1

@@ -23,7 +23,7 @@ import itertools
 import logging
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -33,6 +33,7 @@ from kvtag_store.arena import Arena, Slot, arena_size, remove_orphans, shared_me
 from kvtag_store.backends.base import (
     BackendStats,
     BlockAddress,
+    BlockKey,
     KeyStatus,
     ProbeRecord,
     PutOutcome,
@@ -56,6 +57,11 @@ _NO_RESERVATION = PutResult(
 )
 # Items stored per lock acquisition in put_many: about a millisecond of lock hold.
 _PUT_CHUNK = 1024
+
+_NO_GROUPS: dict[int, dict[bytes, _Entry]] = {}
+_NO_KEYS: dict[bytes, _Entry] = {}
+_NO_ENTRIES: dict[BlockAddress, _Entry] = {}
+_HIT_BYTE = bytes([_HIT])
 
 # (namespace_id, (group, key)): a block's address across the whole store.
 _StoreKey = tuple[str, BlockAddress]
@@ -124,21 +130,74 @@ class _Pool:
         )
 
 
-class _Namespace:
-    """The blocks of one namespace, indexed by address and, for reads, by (mode, address)."""
+class PinnedRuns(Sequence[BlockAddress]):
+    """The hits a packed Lookup pinned, kept as the runs' key tuples (no object per key).
 
-    __slots__ = ("arena", "by_mode", "entries", "pins", "pool", "tenant", "used_bytes")
+    A lease holds it and hands it back to unpin, which drops it whole. Eviction asks `holds`, which
+    builds a key set per run only when first asked (most leases end before any eviction looks).
+    """
+
+    __slots__ = ("_runs", "_sets")
+
+    def __init__(self, runs: list[tuple[int, Sequence[bytes]]]) -> None:
+        self._runs = runs
+        self._sets: dict[int, frozenset[bytes]] | None = None
+
+    def holds(self, address: BlockAddress) -> bool:
+        sets = self._sets
+        if sets is None:
+            built: dict[int, set[bytes]] = {}
+            for group, keys in self._runs:
+                built.setdefault(group, set()).update(keys)
+            sets = self._sets = {group: frozenset(keys) for group, keys in built.items()}
+        members = sets.get(address[0])
+        return members is not None and address[1] in members
+
+    def __len__(self) -> int:
+        return sum(len(keys) for _, keys in self._runs)
+
+    def __iter__(self) -> Iterator[BlockAddress]:
+        for group, keys in self._runs:
+            for key in keys:
+                yield group, BlockKey(key)
+
+    def __getitem__(self, index: int) -> BlockAddress:  # type: ignore[override]
+        for group, keys in self._runs:
+            if index < len(keys):
+                return group, BlockKey(keys[index])
+            index -= len(keys)
+        raise IndexError(index)
+
+
+class _Namespace:
+    """The blocks of one namespace, indexed by address and, for reads, by mode, group and key bytes."""
+
+    __slots__ = ("arena", "entries", "index", "leases", "pins", "pool", "tenant", "used_bytes")
 
     def __init__(self, pool: _Pool, tenant: str | None, arena: Arena) -> None:
         self.pool = pool
         self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
         self.arena = arena
         self.entries: dict[BlockAddress, _Entry] = {}
-        # mode_id -> address -> entry: a read in mode M is one C-level dict lookup per key.
-        self.by_mode: dict[str, dict[BlockAddress, _Entry]] = {}
-        # Read leases and reads in progress: pin count per address (Counter.update runs in C).
+        # mode_id -> group -> key -> entry: a packed read in mode M is one C-level dict lookup per key
+        # on the key bytes, with no (group, key) tuple built.
+        self.index: dict[str, dict[int, dict[bytes, _Entry]]] = {}
+        # Reads in progress and per-address leases: pin count per address (Counter.update runs in C).
         self.pins: Counter[BlockAddress] = Counter()
+        # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
+        self.leases: dict[int, PinnedRuns] = {}
         self.used_bytes = 0
+
+    def pinned(self, address: BlockAddress) -> bool:
+        if address in self.pins:
+            return True
+        return any(run.holds(address) for run in self.leases.values()) if self.leases else False
+
+    def pinned_addresses(self) -> set[BlockAddress]:
+        held = set(self.pins)
+        for run in self.leases.values():
+            held.update(run)
+        return held
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,10 +465,13 @@ class MemoryBackend:
             return _ALREADY_PRESENT
         entry = _Entry(mode_id, ns.arena, slot, digest)
         ns.entries[address] = entry
-        mode_entries = ns.by_mode.get(mode_id)
-        if mode_entries is None:
-            mode_entries = ns.by_mode[mode_id] = {}
-        mode_entries[address] = entry
+        groups = ns.index.get(mode_id)
+        if groups is None:
+            groups = ns.index[mode_id] = {}
+        keys = groups.get(address[0])
+        if keys is None:
+            keys = groups[address[0]] = {}
+        keys[address[1]] = entry
         ns.pool.lru[(namespace_id, address)] = None
         ns.used_bytes += slot.length
         ns.pool.used += slot.length
@@ -422,7 +484,7 @@ class MemoryBackend:
         for ns in self._namespaces.values():
             if ns.pool is not pool:
                 continue
-            for address in ns.pins:
+            for address in ns.pinned_addresses():
                 entry = ns.entries.get(address)
                 if entry is not None:
                     total += entry.slot.length
@@ -442,7 +504,7 @@ class MemoryBackend:
         for store_key in pool.lru:
             ns_id, address = store_key
             ns = namespaces[ns_id]
-            if address in ns.pins:
+            if ns.pinned(address):
                 leased.append(store_key)
                 continue
             victims.append(store_key)
@@ -467,7 +529,7 @@ class MemoryBackend:
             (ns_id, address)
             for pool in self._pools
             for ns_id, address in pool.lru
-            if namespaces[ns_id].arena is arena and address not in namespaces[ns_id].pins
+            if namespaces[ns_id].arena is arena and not namespaces[ns_id].pinned(address)
         ]
         for ns_id, address in candidates:
             ns = namespaces[ns_id]
@@ -480,7 +542,7 @@ class MemoryBackend:
 
     def _remove(self, namespace_id: str, ns: _Namespace, address: BlockAddress, entry: _Entry) -> None:
         del ns.entries[address]
-        del ns.by_mode[entry.mode_id][address]
+        del ns.index[entry.mode_id][address[0]][address[1]]
         del ns.pool.lru[(namespace_id, address)]
         ns.arena.free(entry.slot)
         size = entry.slot.length
@@ -497,8 +559,12 @@ class MemoryBackend:
         ns = self._namespaces.get(namespace_id)
         if ns is None:
             return [_MISS] * len(addresses), [None] * len(addresses)
-        mode_entries = ns.by_mode.get(mode_id, {})
-        found = list(map(mode_entries.get, addresses))
+        groups = ns.index.get(mode_id, _NO_GROUPS)
+        if len(groups) == 1:
+            ((only, keys),) = groups.items()
+            found = [keys.get(k) if g == only else None for g, k in addresses]
+        else:
+            found = [groups.get(g, _NO_KEYS).get(k) for g, k in addresses]
         all_hit = None not in found
         if all_hit:
             statuses = [_HIT] * len(found)
@@ -575,6 +641,39 @@ class MemoryBackend:
                 ns.pins.update(pinned)
         return statuses, pinned
 
+    def lookup_packed_and_pin(
+        self, namespace_id: str, mode_id: str, runs: Sequence[tuple[int, Sequence[bytes]]]
+    ) -> tuple[bytes, PinnedRuns | None]:
+        """lookup_and_pin over runs of (group, keys): a status byte per key, and the hits pinned as one
+        PinnedRuns (unpin it whole). Keys are looked up by their bytes, so no tuple is built per key."""
+        parts: list[bytes] = []
+        pinned: list[tuple[int, Sequence[bytes]]] = []
+        with self._lock:
+            ns = self._namespaces.get(namespace_id)
+            groups = ns.index.get(mode_id, _NO_GROUPS) if ns is not None else _NO_GROUPS
+            for group, keys in runs:
+                index = groups.get(group)
+                found = list(map(index.get, keys)) if index is not None else [None] * len(keys)
+                if None not in found:
+                    parts.append(_HIT_BYTE * len(keys))
+                    pinned.append((group, keys))
+                    continue
+                entries = ns.entries if ns is not None else _NO_ENTRIES
+                parts.append(
+                    bytes(
+                        _HIT if e is not None else (_MISMATCH if (group, k) in entries else _MISS)
+                        for e, k in zip(found, keys, strict=True)
+                    )
+                )
+                hits = [k for e, k in zip(found, keys, strict=True) if e is not None]
+                if hits:
+                    pinned.append((group, hits))
+            lease = None
+            if pinned and ns is not None:
+                lease = PinnedRuns(pinned)
+                ns.leases[id(lease)] = lease
+        return b"".join(parts), lease
+
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
         a failing value is dropped, counted in corrupted_dropped and answered as a MISS."""
@@ -628,6 +727,9 @@ class MemoryBackend:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
                 return
+            if isinstance(addresses, PinnedRuns):
+                ns.leases.pop(id(addresses), None)
+                return
             pins = ns.pins
             for address in addresses:
                 count = pins.get(address, 0)
@@ -654,7 +756,10 @@ class MemoryBackend:
                 keys=sum(len(pool.lru) for pool in self._pools),
                 evictions=sum(self._evictions.values()),
                 leased_keys=sum(
-                    1 for ns in self._namespaces.values() for address in ns.pins if address in ns.entries
+                    1
+                    for ns in self._namespaces.values()
+                    for address in ns.pinned_addresses()
+                    if address in ns.entries
                 ),
                 corrupted_dropped=self._corrupted,
                 per_namespace={
