@@ -152,4 +152,22 @@ def stats_table(answer: pb.GetStatsResponse) -> str:
                 indent="",
             )
         )
+    if answer.tenants:
+        out.append("")
+        out.append(
+            table(
+                ["tenant", "quota", "keys", "used", "evictions"],
+                [
+                    [
+                        t.tenant or "(shared)",
+                        human_bytes(t.quota_bytes) if t.quota_bytes else "shared pool",
+                        str(t.keys),
+                        human_bytes(t.used_bytes),
+                        str(t.evictions),
+                    ]
+                    for t in answer.tenants
+                ],
+                indent="",
+            )
+        )
     return "\n".join(out)

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
+from kvtag_store import report
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.server import RunningServer, start_server
@@ -75,6 +76,23 @@ def test_a_tenant_over_its_quota_evicts_its_own_oldest_blocks_and_nobody_else_s(
     scraped = generate_latest(server.service.metrics.registry).decode()
     assert 'kvtag_tenant_evictions_total{tenant="a"} 6.0' in scraped
     assert f'kvtag_tenant_quota_bytes{{tenant="b"}} {16 * KIB}.0' in scraped
+
+
+def test_stats_table_lists_each_tenant_with_its_quota_usage_and_evictions(
+    quota_store: tuple[RunningServer, Caller],
+) -> None:
+    _, caller = quota_store
+    _fill(caller, "a", 5)  # 20 KiB into a 16 KiB quota: one eviction
+    _fill(caller, "c", 1)
+    text = report.stats_table(caller.call("GetStats", pb.GetStatsRequest()))
+    lines = text.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("tenant ")))
+    rows = {line.split()[0]: line.split() for line in lines[head + 2 :]}
+    assert rows == {
+        "a": ["a", "16.0", "KiB", "4", "16.0", "KiB", "1"],
+        "b": ["b", "16.0", "KiB", "0", "0", "B", "0"],
+        "c": ["c", "shared", "pool", "1", "4.0", "KiB", "0"],
+    }
 
 
 def test_tenants_of_the_shared_pool_never_evict_a_quota_tenant(
