@@ -32,8 +32,8 @@ from kvtag_store.backends.base import (
     PutOutcome,
     PutResult,
     ReadResult,
+    SharedMemoryBackend,
 )
-from kvtag_store.backends.memory import MemoryBackend
 from kvtag_store.census import Census
 from kvtag_store.config import ServiceConfig
 from kvtag_store.crossmode import BaseKeyIndex
@@ -122,8 +122,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     ) -> None:
         self.backend = backend
         self.access = access or Access(TokenRegistry.disabled())
-        # The backend that keeps values in arenas: only it offers the shared-memory path.
-        self.arenas = backend if isinstance(backend, MemoryBackend) else None
+        # A backend whose values pass through arenas (memory keeps them there, Mooncake stages them):
+        # only it offers the shared-memory path.
+        self.arenas = backend if isinstance(backend, SharedMemoryBackend) else None
         self.config = config
         self.limits = config.limits
         self.metrics = metrics

@@ -9,9 +9,13 @@ run against every backend.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Protocol
+from typing import TYPE_CHECKING, NewType, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvtag_store.arena import Arena
+    from kvtag_store.backends.memory import SlotReference
 
 # A block's key bytes in its mode. Raw bytes, not a tuple or object: lookups of
 # thousands of keys stay cheap.
@@ -115,6 +119,28 @@ class BlockBackend(Protocol):
     def stats(self) -> BackendStats: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedMemoryBackend(Protocol):
+    """A backend whose values pass through arena slots same-host clients map (the shared-memory
+    path): the memory backend keeps them there, the Mooncake backend stages them there."""
+
+    def shared_arena(self, namespace_id: str) -> Arena | None: ...
+
+    def reserve(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
+    ) -> list[SlotReference | PutResult]: ...
+
+    def commit(
+        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+    ) -> tuple[list[PutResult], int]: ...
+
+    def cancel(self, generations: Iterable[int]) -> None: ...
+
+    def get_references(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]: ...
 
 
 @dataclass(frozen=True, slots=True)

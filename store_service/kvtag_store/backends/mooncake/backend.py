@@ -15,10 +15,11 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvtag_store.arena import Arena
 from kvtag_store.backends.base import (
     BackendStats,
     BackendUnavailable,
@@ -28,6 +29,7 @@ from kvtag_store.backends.base import (
     PutResult,
     ReadResult,
 )
+from kvtag_store.backends.memory import SlotReference
 from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
 from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,
@@ -35,8 +37,10 @@ from kvtag_store.backends.mooncake.format import (
     decode_header,
     encode_header,
     object_key,
+    payload_checksum,
     verify_payload,
 )
+from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 
 _OK = MooncakeCode.OK
 # Put codes after which the stored header, not the code, says what happened.
@@ -58,6 +62,17 @@ _SLOW_FAILURE_S = 0.5
 # How long a storage process that failed a transfer is skipped by reads (the master's default
 # --client_ttl is 10 s); afterwards one read probes it again.
 _SUSPECT_S = 5.0
+_ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+_NO_RESERVATION = PutResult(
+    PutOutcome.REJECTED,
+    "no such reservation: the slot was not reserved by this session for this block, was already "
+    "committed, or its session expired; reserve again (ReserveSlots)",
+)
+_STAGING_FULL = PutResult(
+    PutOutcome.REJECTED,
+    "the Mooncake backend's shared-memory staging arena is full (values being written or read by "
+    "same-host clients); retry, or raise --mooncake-shm-staging",
+)
 
 
 class MooncakeClient(Protocol):
@@ -71,6 +86,12 @@ class MooncakeClient(Protocol):
     def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[Any]]: ...
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
     def batch_remove(self, keys: list[str], force: bool = ...) -> list[int]: ...
+    def batch_put_from_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
     def unregister_buffer(self, buffer_ptr: int) -> int: ...
     def get_into_ranges(
@@ -96,6 +117,9 @@ class MooncakeSettings:
     local_buffer_bytes: int = 64 << 20
     segment_bytes: int = 0
     lease_ttl_ms: int = 10_000
+    # Where same-host clients map the staging arenas (the service's --shm-dir); None: inline only.
+    shm_dir: str | None = None
+    shm_staging_bytes: int = 256 << 20
 
 
 def connect(settings: MooncakeSettings) -> MooncakeClient:
@@ -237,6 +261,11 @@ class MooncakeBackend:
         # retrying each call; for a short window after a failure kvtag answers UNAVAILABLE at once
         # instead of queueing more callers behind those retries.
         self._master_failed_at = -_BREAKER_S
+        self._staging = (
+            Staging(client, settings.shm_dir, settings.shm_staging_bytes) if settings.shm_dir else None
+        )
+        self._reservations: dict[int, tuple[str, BlockAddress, Staged]] = {}  # generation -> reserved
+        self._reserved_lock = threading.Lock()
 
     @property
     def max_value_bytes(self) -> int:
@@ -399,21 +428,42 @@ class MooncakeBackend:
             raise self._unavailable("storing blocks", rc)
         if rc not in _PUT_ACCEPTED:
             self.errors.add(rc)
-        for index, mkey, nonce, found in zip(chunk, mkeys, nonces, self._headers.read(mkeys), strict=True):
-            address = items[index][0]
+        addresses = [items[index][0] for index in chunk]
+        judged = self._judge_stored(namespace_id, mode_id, addresses, mkeys, nonces, [rc] * len(chunk))
+        for index, result in zip(chunk, judged, strict=True):
+            results[index] = result
+            if result is None:
+                single.append(index)
+
+    def _judge_stored(
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        mkeys: list[str],
+        nonces: list[bytes],
+        codes: Sequence[int],
+    ) -> list[PutResult | None]:
+        """Each batch-put item's outcome from its stored header (one read-back for all), None where only
+        the single path can tell: a corrupt value was dropped, or another writer's put is in flight."""
+        out: list[PutResult | None] = []
+        for address, mkey, nonce, rc, found in zip(
+            addresses, mkeys, nonces, codes, self._headers.read(mkeys), strict=True
+        ):
             if isinstance(found, bytes):
-                results[index] = self._judge(found, namespace_id, mode_id, address, mkey, nonce)
-                if results[index] is None:
-                    single.append(index)  # a corrupt value was dropped: store it alone
+                out.append(self._judge(found, namespace_id, mode_id, address, mkey, nonce))
             elif found in _IN_FLIGHT and rc in _PUT_ACCEPTED:
-                single.append(index)  # another writer's put in flight: the single path waits for it
+                out.append(None)
             elif found == _RPC_FAIL:
                 self.errors.add(found)
                 raise self._unavailable("confirming a store", found)
             else:
-                results[index] = PutResult(
-                    PutOutcome.REJECTED, self._put_failure(rc if rc not in _PUT_ACCEPTED else found)
+                out.append(
+                    PutResult(
+                        PutOutcome.REJECTED, self._put_failure(rc if rc not in _PUT_ACCEPTED else found)
+                    )
                 )
+        return out
 
     def _put_failure(self, code: int) -> str:
         if code == MooncakeCode.NO_AVAILABLE_HANDLE:
@@ -572,6 +622,251 @@ class MooncakeBackend:
                 missing.append(entry)
         return missing, time.monotonic() - started >= _SLOW_FAILURE_S
 
+    # -- shared memory (same-host clients; see mooncake.staging) -------------
+
+    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+        """The namespace's tenant, whose staging arena its shared-memory values pass through."""
+        if self._staging is not None:
+            self._staging.assign_tenant(namespace_id, tenant)
+
+    def shared_arena(self, namespace_id: str) -> Arena | None:
+        """The staging arena a same-host client of the namespace maps, or None (inline path only)."""
+        return self._staging.arena(namespace_id) if self._staging is not None else None
+
+    def reserve(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
+    ) -> list[SlotReference | PutResult]:
+        """Shared-memory Put, step 1: a staging slot per item, or the outcome already known. A block
+        already stored answers ALREADY_PRESENT or CONFLICT now (one existence check for the batch),
+        so the client does not copy it for nothing."""
+        if self._staging is None:
+            return [PutResult(PutOutcome.REJECTED, "no shared-memory staging (--shm-dir)")] * len(items)
+        self._check_master("storing")
+        out: list[SlotReference | PutResult | None] = [None] * len(items)
+        mkeys = [object_key(namespace_id, *address) for address, _ in items]
+        exists = self._client.batch_is_exist(mkeys)
+        if any(code == _RPC_FAIL or code == -1 for code in exists):
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable("checking blocks before a put", _RPC_FAIL)
+        stored = [i for i, code in enumerate(exists) if code == 1]
+        for i, found in zip(stored, self._headers.read([mkeys[i] for i in stored]), strict=True):
+            if not isinstance(found, bytes):
+                continue  # gone meanwhile, or unreadable: the put will tell
+            try:
+                header = decode_header(found, namespace_id, *items[i][0])
+            except FormatError:
+                self._drop_corrupt([mkeys[i]])
+                continue
+            out[i] = (
+                _ALREADY_PRESENT
+                if header.mode_id == mode_id
+                else PutResult(PutOutcome.CONFLICT, f"key is held by mode {header.mode_id}")
+            )
+        for i, (_, length) in enumerate(items):
+            if out[i] is None and length > self.max_value_bytes:
+                out[i] = PutResult(
+                    PutOutcome.REJECTED,
+                    f"value of {length} bytes exceeds the Mooncake backend limit of {self.max_value_bytes} "
+                    "bytes (a quarter of --mooncake-local-buffer); raise the local buffer",
+                )
+        todo = [i for i in range(len(items)) if out[i] is None]
+        granted = self._staging.allocate(namespace_id, [items[i][1] for i in todo])
+        with self._reserved_lock:
+            for i, staged in zip(todo, granted, strict=True):
+                if staged is None:
+                    out[i] = _STAGING_FULL
+                    continue
+                self._reservations[staged.generation] = (namespace_id, items[i][0], staged)
+                out[i] = SlotReference(
+                    staged.arena.segment, staged.payload_offset, staged.length, staged.generation
+                )
+        return [r if r is not None else _STAGING_FULL for r in out]
+
+    def commit(
+        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+    ) -> tuple[list[PutResult], int]:
+        """Shared-memory Put, step 2: each written slot is checksummed, given its header in place and put
+        into the cluster straight from the arena (one batch_put_from_multi_buffers), then judged by
+        its stored header like any put. The slots are free again afterwards, whatever happened."""
+        taken: list[tuple[str, BlockAddress, Staged] | None] = []
+        with self._reserved_lock:
+            for generation in generations:
+                reservation = self._reservations.get(generation)
+                if reservation is None or reservation[0] != namespace_id:
+                    taken.append(None)
+                    continue
+                del self._reservations[generation]
+                taken.append(reservation)
+        live = [r for r in taken if r is not None]
+        try:
+            outcomes = iter(self._put_staged(namespace_id, mode_id, live) if live else [])
+        finally:
+            if self._staging is not None:
+                self._staging.free([staged for _, _, staged in live])
+        results = [next(outcomes) if r is not None else _NO_RESERVATION for r in taken]
+        stored = sum(
+            r[2].length
+            for r, result in zip(taken, results, strict=True)
+            if r is not None and result.outcome is PutOutcome.STORED
+        )
+        return results, stored
+
+    def _put_staged(
+        self, namespace_id: str, mode_id: str, entries: list[tuple[str, BlockAddress, Staged]]
+    ) -> list[PutResult]:
+        self._check_master("storing")
+        results: list[PutResult | None] = [None] * len(entries)
+        sent: list[int] = []
+        mkeys: list[str] = []
+        nonces: list[bytes] = []
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for n, (_, (group, key), staged) in enumerate(entries):
+            nonce = os.urandom(8)
+            try:
+                header = encode_header(namespace_id, mode_id, group, key, staged.payload(), nonce)
+            except ValueError as exc:
+                results[n] = PutResult(PutOutcome.REJECTED, str(exc))
+                continue
+            staged.header()[:] = header
+            ptrs, lengths = staged.buffers()
+            sent.append(n)
+            mkeys.append(object_key(namespace_id, group, key))
+            nonces.append(nonce)
+            pointers.append(ptrs)
+            sizes.append(lengths)
+        if sent:
+            codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
+            if _RPC_FAIL in codes:
+                self.errors.add(_RPC_FAIL)
+                raise self._unavailable("storing blocks", _RPC_FAIL)
+            for code in codes:
+                if code not in _PUT_ACCEPTED:
+                    self.errors.add(code)
+            addresses = [entries[n][1] for n in sent]
+            judged = self._judge_stored(namespace_id, mode_id, addresses, mkeys, nonces, codes)
+            for n, result in zip(sent, judged, strict=True):
+                # None: only the single path can tell (it waits for an in-flight writer), from a copy.
+                results[n] = result or self.put(
+                    namespace_id, mode_id, entries[n][1], bytes(entries[n][2].payload())
+                )
+        missing = PutResult(PutOutcome.REJECTED, "internal: no outcome")
+        return [r if r is not None else missing for r in results]
+
+    def cancel(self, generations: Iterable[int]) -> None:
+        """Free reserved slots that were never committed (their session ended)."""
+        with self._reserved_lock:
+            dropped = [r for g in generations if (r := self._reservations.pop(g, None)) is not None]
+        if dropped and self._staging is not None:
+            self._staging.free([staged for _, _, staged in dropped])
+
+    def _reserved_bytes(self) -> int:
+        with self._reserved_lock:
+            return sum(staged.length for _, _, staged in self._reservations.values())
+
+    def get_references(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
+        """Shared-memory Get: each value read from the cluster straight into a staging slot (one
+        batch_get_into_multi_buffers), verified there (tag, address, length, CRC) and referenced. The
+        pinned addresses carry their slots (StagedAddress): releasing the lease frees them. A value
+        the staging arena has no room for is answered MISS; the engine recomputes it."""
+        statuses = [KeyStatus.MISS] * len(addresses)
+        references: list[SlotReference | None] = [None] * len(addresses)
+        pinned: list[BlockAddress] = []
+        if not addresses or self._staging is None:
+            return statuses, references, pinned
+        self._check_master("reading")
+        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        exists = self._client.batch_is_exist(mkeys)
+        if any(code == _RPC_FAIL or code == -1 for code in exists):
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable("reading blocks", _RPC_FAIL)
+        present = [i for i, code in enumerate(exists) if code == 1]
+        if not present:
+            return statuses, references, pinned
+        placements = self._client.batch_get_replica_desc([mkeys[i] for i in present])
+        suspects = self._suspects.current()
+        wanted: list[tuple[int, int, frozenset[str]]] = []
+        corrupt: list[str] = []
+        skipped = 0
+        for i in present:
+            size, where = _placement(placements.get(mkeys[i], ()))
+            if where and where <= suspects:
+                skipped += 1  # on a storage process that just failed: a miss without the wait
+            elif size >= HEADER_BYTES:
+                wanted.append((i, size - HEADER_BYTES, where))
+            elif size:
+                corrupt.append(mkeys[i])  # shorter than a header: not a kvtag value
+        if skipped:
+            self.errors.add(MooncakeCode.TRANSFER_FAIL, skipped)
+        granted = self._staging.allocate(namespace_id, [length for _, length, _ in wanted])
+        reading = [
+            (i, where, staged) for (i, _, where), staged in zip(wanted, granted, strict=True) if staged
+        ]
+        kept: list[Staged] = []
+        try:
+            for i, staged in self._read_staged(mkeys, reading):
+                group, key = addresses[i]
+                try:
+                    header = decode_header(staged.header(), namespace_id, group, key)
+                    if header.mode_id != mode_id:
+                        statuses[i] = KeyStatus.MODE_MISMATCH
+                        continue
+                    if header.payload_bytes != staged.length or (
+                        payload_checksum(staged.payload()) != header.payload_crc
+                    ):
+                        raise FormatError("payload length or checksum mismatch")
+                except FormatError:
+                    corrupt.append(mkeys[i])
+                    continue
+                statuses[i] = KeyStatus.HIT
+                references[i] = SlotReference(
+                    staged.arena.segment, staged.payload_offset, staged.length, staged.generation
+                )
+                pinned.append(StagedAddress(addresses[i], staged))
+                kept.append(staged)
+        finally:
+            held = {staged.generation for staged in kept}
+            self._staging.free([staged for _, _, staged in reading if staged.generation not in held])
+        if corrupt:
+            self._drop_corrupt(corrupt)
+        return statuses, references, pinned
+
+    def _read_staged(
+        self, mkeys: list[str], entries: list[tuple[int, frozenset[str], Staged]]
+    ) -> list[tuple[int, Staged]]:
+        """Read whole values into their slots: (index, slot) of those that arrived. Like _fetch, a read
+        that failed slowly (a dead storage process: one transfer timeout for the whole call) is not
+        retried and marks its process suspect; one that failed at once is retried once."""
+        arrived: list[tuple[int, Staged]] = []
+        todo = entries
+        for attempt in range(2):
+            if not todo:
+                break
+            started = time.monotonic()
+            buffers = [staged.buffers() for _, _, staged in todo]
+            codes = self._client.batch_get_into_multi_buffers(
+                [mkeys[i] for i, _, _ in todo], [b[0] for b in buffers], [b[1] for b in buffers]
+            )
+            slow = time.monotonic() - started >= _SLOW_FAILURE_S
+            if _RPC_FAIL in codes:
+                self.errors.add(_RPC_FAIL)
+                raise self._unavailable("reading blocks", _RPC_FAIL)
+            failed = []
+            for entry, code in zip(todo, codes, strict=True):
+                if code == HEADER_BYTES + entry[2].length:
+                    arrived.append((entry[0], entry[2]))
+                elif code != _MISSING:  # evicted since the existence check: a plain miss
+                    failed.append(entry)
+            todo = failed
+            if slow or attempt == 1:
+                break
+        if todo:
+            self._suspects.mark(frozenset().union(*(where for _, where, _ in todo)))
+            self.errors.add(MooncakeCode.TRANSFER_FAIL, len(todo))
+        return arrived
+
     # -- leases -------------------------------------------------------------
 
     def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
@@ -579,6 +874,11 @@ class MooncakeBackend:
         self._leases.pin([object_key(namespace_id, group, key) for group, key in addresses])
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        if addresses and isinstance(addresses[0], StagedAddress):
+            # A shared-memory Get's lease: its slots (the blocks were never pinned in Mooncake).
+            if self._staging is not None:
+                self._staging.free([a.staged for a in addresses if isinstance(a, StagedAddress)])
+            return
         self._leases.unpin([object_key(namespace_id, group, key) for group, key in addresses])
 
     # -- reporting ----------------------------------------------------------
@@ -598,6 +898,7 @@ class MooncakeBackend:
             leased_keys=self._leases.count(),
             corrupted_dropped=corrupted,
             errors=self.errors.snapshot(),
+            reserved_bytes=self._reserved_bytes(),
         )
 
     def close_first(self, close: Callable[[], None]) -> None:
@@ -609,6 +910,8 @@ class MooncakeBackend:
             close()
         self._leases.close()
         self._headers.close()
+        if self._staging is not None:
+            self._staging.close()
         self._client.close()
 
 

@@ -46,6 +46,11 @@ _OPTIONS: dict[str, tuple[str | None, str]] = {
         str(_DEFAULT.lease_ttl_ms),
         "the master's --default_kv_lease_ttl; pinned blocks are renewed every third",
     ),
+    "shm-staging": (
+        format_size(_DEFAULT.shm_staging_bytes),
+        "per tenant, the shared-memory arena (in --shm-dir) same-host clients' values pass through "
+        "on their way to and from Mooncake",
+    ),
 }
 
 
@@ -113,6 +118,8 @@ def settings_from(args: argparse.Namespace) -> MooncakeSettings:
         local_buffer_bytes=parse_size(values["local-buffer"]),
         segment_bytes=parse_size(values["segment-size"]),
         lease_ttl_ms=int(values["lease-ttl-ms"]),
+        shm_dir=getattr(args, "shm_dir", None) or None,
+        shm_staging_bytes=parse_size(values["shm-staging"]),
     )
 
 

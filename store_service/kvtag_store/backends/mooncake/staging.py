@@ -1,0 +1,183 @@
+"""Shared-memory staging for the Mooncake backend: arena slots Mooncake reads into and writes from.
+
+Over Mooncake the arena is not where values live, only where they pass: a
+same-host engine writes a value into a reserved slot and the commit puts it
+into the cluster straight from the slot (`batch_put_from_multi_buffers`, the
+arena being registered with Mooncake); a shared-memory Get reads each value
+from the cluster straight into a slot (`batch_get_into_multi_buffers`), checks
+it there, and hands out a reference, the slot staying pinned until the lease
+that holds it is released. No value passes through a Python `bytes`.
+
+Each slot keeps room for kvtag's value header in front of the payload, so the
+whole Mooncake object (header then payload) is two ranges of one slot:
+
+    [o, o+100)          the value header (mooncake.format)
+    [o+120, o+128)      the generation word the client checks (8 bytes before the payload)
+    [o+128, o+128+n)    the payload: what the client's SharedMemoryRef names
+
+One arena per tenant, as with the memory backend, so a client never maps
+another tenant's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtag_store.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
+from kvtag_store.backends.base import BlockAddress, BlockKey
+from kvtag_store.backends.mooncake.errors import describe
+from kvtag_store.backends.mooncake.format import HEADER_BYTES
+
+if TYPE_CHECKING:
+    from kvtag_store.backends.mooncake.backend import MooncakeClient
+
+log = logging.getLogger(__name__)
+
+PREFIX = 128
+_GENERATION = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A staging slot of one value: the Mooncake object is its header range, then its payload range."""
+
+    arena: Arena
+    slot: Slot
+    base: int  # the arena's address in this process
+    length: int  # payload bytes
+    generation: int
+
+    @property
+    def header_offset(self) -> int:
+        return self.slot.offset
+
+    @property
+    def payload_offset(self) -> int:
+        return self.slot.offset + PREFIX
+
+    def buffers(self) -> tuple[list[int], list[int]]:
+        """Mooncake's (pointers, sizes) of the object: header, then the payload if it has bytes."""
+        if self.length == 0:
+            return [self.base + self.header_offset], [HEADER_BYTES]
+        return [self.base + self.header_offset, self.base + self.payload_offset], [HEADER_BYTES, self.length]
+
+    def header(self) -> memoryview:
+        return self.arena.view[self.header_offset : self.header_offset + HEADER_BYTES]
+
+    def payload(self) -> memoryview:
+        return self.arena.view[self.payload_offset : self.payload_offset + self.length]
+
+
+class StagedAddress(tuple[int, BlockKey]):
+    """A block address that also names the staged slot a reader holds: the service keeps the
+    addresses it is given in the lease, and releasing the lease (unpin) frees exactly that slot."""
+
+    staged: Staged
+
+    def __new__(cls, address: BlockAddress, staged: Staged) -> StagedAddress:
+        self = super().__new__(cls, address)
+        self.staged = staged
+        return self
+
+
+class Staging:
+    """Per-tenant staging arenas in `directory`, registered with the Mooncake client."""
+
+    def __init__(self, client: MooncakeClient, directory: str, size_bytes: int) -> None:
+        remove_orphans(directory)
+        self._client = client
+        self._directory = directory
+        self._size = (ARENA_HEADER + size_bytes + EXTENT - 1) // EXTENT * EXTENT
+        self._lock = threading.Lock()
+        self._arenas: dict[str, tuple[Arena, int] | None] = {}  # tenant -> (arena, address); None: failed
+        self._tenants: dict[str, str] = {}  # namespace_id -> tenant
+        self._generations = itertools.count(1)
+        self._held: set[int] = set()  # generations of slots handed out and not freed
+        self.in_use_bytes = 0
+
+    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+        with self._lock:
+            self._tenants[namespace_id] = tenant
+
+    def arena(self, namespace_id: str) -> Arena | None:
+        """The namespace's tenant arena (created on first use), or None when it cannot be created."""
+        with self._lock:
+            found = self._arena_locked(self._tenants.get(namespace_id, ""))
+        return found[0] if found is not None else None
+
+    def _arena_locked(self, tenant: str) -> tuple[Arena, int] | None:
+        if tenant in self._arenas:
+            return self._arenas[tenant]
+        made: tuple[Arena, int] | None = None
+        try:
+            free = shared_memory_room(self._directory)
+            if free < self._size:
+                raise OSError(f"it has {free} bytes free and the staging arena needs {self._size}")
+            arena = Arena(tenant, self._size, self._directory)
+            holder = ctypes.c_char.from_buffer(arena.view)
+            base = ctypes.addressof(holder)
+            del holder  # the address stays valid while the arena is mapped
+            rc = self._client.register_buffer(base, self._size)
+            if rc != 0:
+                arena.close()
+                raise OSError(f"Mooncake refused to register it: {describe(rc)}")
+            made = (arena, base)
+        except OSError as exc:
+            log.warning(
+                "cannot create a shared-memory staging arena for Mooncake in %s (%s); clients use the "
+                "inline path",
+                self._directory,
+                exc,
+            )
+        self._arenas[tenant] = made
+        return made
+
+    def allocate(self, namespace_id: str, lengths: list[int]) -> list[Staged | None]:
+        """A slot per payload length, None where the arena has no room left (or cannot exist)."""
+        out: list[Staged | None] = []
+        with self._lock:
+            found = self._arena_locked(self._tenants.get(namespace_id, ""))
+            for length in lengths:
+                if found is None:
+                    out.append(None)
+                    continue
+                arena, base = found
+                generation = next(self._generations)
+                slot = arena.allocate(PREFIX + length, generation)
+                if slot is None:
+                    out.append(None)
+                    continue
+                _GENERATION.pack_into(arena.view, slot.offset + PREFIX - 8, generation)
+                self._held.add(generation)
+                self.in_use_bytes += slot.span
+                out.append(Staged(arena, slot, base, length, generation))
+        return out
+
+    def free(self, staged: list[Staged]) -> None:
+        """Return slots; one already freed (a lease released twice) is ignored."""
+        with self._lock:
+            for entry in staged:
+                if entry.generation in self._held:
+                    self._held.discard(entry.generation)
+                    entry.arena.free(entry.slot)
+                    self.in_use_bytes -= entry.slot.span
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def close(self) -> None:
+        with self._lock:
+            arenas, self._arenas = [a for a in self._arenas.values() if a is not None], {}
+        for arena, base in arenas:
+            with contextlib.suppress(Exception):
+                self._client.unregister_buffer(base)
+            arena.close()

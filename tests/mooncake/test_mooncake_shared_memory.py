@@ -1,0 +1,229 @@
+"""The shared-memory path over Mooncake: values staged in arena slots Mooncake reads into and writes
+from (mooncake.staging). In process against the backend (exact bytes, tags, corruption, no slot
+leaked), and through StoreClient against a real `kvtag-store serve --backend mooncake`, with a second
+replica reading the same blocks inline."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvtag.v1 import store_pb2 as pb
+from kvtag_client import keys
+from kvtag_client.store import StoreClient
+from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, SharedMemoryBackend
+from kvtag_store.backends.memory import SlotReference
+from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, MooncakeSettings, connect
+from kvtag_store.backends.mooncake.format import object_key
+from kvtag_store.backends.mooncake.staging import StagedAddress
+
+from tests.descriptors import namespace
+
+from .mooncake_cluster import MooncakeCluster, settings_for
+from .mooncake_replicas import Replica
+
+MODE = "m-0123456789abcdef"
+OTHER = "m-fedcba9876543210"
+SIZES = [0, 1, 63, 64, 65, 4095, 4096, (64 << 10) + 7, 1 << 20]
+
+
+def addr(name: str) -> BlockAddress:
+    return (0, BlockKey(name.encode()))
+
+
+def staged_settings(cluster: MooncakeCluster, shm_dir: Path, staging: int = 16 << 20) -> MooncakeSettings:
+    base = settings_for(cluster)
+    return MooncakeSettings(
+        master=base.master,
+        metrics=base.metrics,
+        local_buffer_bytes=base.local_buffer_bytes,
+        lease_ttl_ms=base.lease_ttl_ms,
+        shm_dir=str(shm_dir),
+        shm_staging_bytes=staging,
+    )
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"kvtag-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o700)
+    yield path
+    for leftover in path.iterdir():
+        leftover.unlink()
+    path.rmdir()
+
+
+@pytest.fixture
+def staged(cluster: MooncakeCluster, shm_dir: Path) -> Iterator[MooncakeBackend]:
+    backend = MooncakeBackend(connect(settings_for(cluster)), staged_settings(cluster, shm_dir))
+    yield backend
+    backend.close()
+
+
+def write(
+    backend: MooncakeBackend, ns: str, mode: str, items: list[tuple[BlockAddress, bytes]]
+) -> list[object]:
+    """Reserve, write each value into its slot through the arena file, commit: what a client does."""
+    arena = backend.shared_arena(ns)
+    assert arena is not None and arena.path is not None
+    grants = backend.reserve(ns, mode, [(a, len(v)) for a, v in items])
+    with open(arena.path, "r+b") as mapped:
+        for grant, (_, value) in zip(grants, items, strict=True):
+            if isinstance(grant, SlotReference):
+                mapped.seek(grant.offset)
+                mapped.write(value)
+    generations = [g.generation for g in grants if isinstance(g, SlotReference)]
+    committed = iter(backend.commit(ns, mode, generations)[0])
+    return [next(committed).outcome if isinstance(g, SlotReference) else g.outcome for g in grants]
+
+
+def read(backend: MooncakeBackend, ns: str, mode: str, addresses: list[BlockAddress]) -> list[bytes | None]:
+    """GetReferences, copy each referenced slot out of the arena file, release: what a client does."""
+    arena = backend.shared_arena(ns)
+    assert arena is not None and arena.path is not None
+    statuses, references, pinned = backend.get_references(ns, mode, addresses)
+    out: list[bytes | None] = []
+    with open(arena.path, "rb") as mapped:
+        for status, reference in zip(statuses, references, strict=True):
+            if reference is None:
+                assert status is not KeyStatus.HIT
+                out.append(None)
+                continue
+            assert status is KeyStatus.HIT
+            mapped.seek(reference.offset)
+            out.append(mapped.read(reference.length))
+    assert all(isinstance(a, StagedAddress) for a in pinned)
+    backend.unpin(ns, pinned)
+    return out
+
+
+def test_the_mooncake_backend_offers_the_shared_memory_path_only_with_a_directory(
+    mooncake_backend: MooncakeBackend, staged: MooncakeBackend
+) -> None:
+    assert isinstance(staged, SharedMemoryBackend)
+    assert mooncake_backend.shared_arena("ns") is None
+    arena = staged.shared_arena("ns-" + uuid.uuid4().hex[:8])
+    assert arena is not None and arena.path is not None
+    assert os.stat(arena.path).st_mode & 0o777 == 0o600
+
+
+def test_staged_round_trip_is_byte_exact_and_readable_by_the_inline_path(staged: MooncakeBackend) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    items = [(addr(f"size-{n}"), os.urandom(n)) for n in SIZES]
+    assert write(staged, ns, MODE, items) == [PutOutcome.STORED] * len(items)
+    addresses = [a for a, _ in items]
+    assert read(staged, ns, MODE, addresses) == [v for _, v in items]
+    # The same Mooncake objects as an inline put makes: the inline Get reads them, and back.
+    assert [r.value for r in staged.get(ns, MODE, addresses)] == [v for _, v in items]
+    inline = [(addr(f"inline-{n}"), os.urandom(n)) for n in SIZES]
+    assert {r.outcome for r in staged.put_many(ns, MODE, inline)} == {PutOutcome.STORED}
+    assert read(staged, ns, MODE, [a for a, _ in inline]) == [v for _, v in inline]
+    assert staged._staging is not None and staged._staging.slots_in_use == 0
+
+
+def test_stored_blocks_are_answered_at_reserve_and_a_wrong_mode_gets_no_reference(
+    staged: MooncakeBackend,
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    assert write(staged, ns, MODE, [(addr("held"), b"first mode's bytes")]) == [PutOutcome.STORED]
+    grants = staged.reserve(ns, MODE, [(addr("held"), 18)]) + staged.reserve(ns, OTHER, [(addr("held"), 18)])
+    assert [g.outcome for g in grants if not isinstance(g, SlotReference)] == [
+        PutOutcome.ALREADY_PRESENT,
+        PutOutcome.CONFLICT,
+    ]
+    statuses, references, pinned = staged.get_references(ns, OTHER, [addr("held"), addr("absent")])
+    assert statuses == [KeyStatus.MODE_MISMATCH, KeyStatus.MISS]
+    assert references == [None, None] and pinned == []
+    assert staged._staging is not None and staged._staging.slots_in_use == 0
+
+
+def test_a_corrupted_value_is_a_miss_and_dropped(staged: MooncakeBackend, raw_client: MooncakeClient) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    assert write(staged, ns, MODE, [(addr("k"), bytes(4096))]) == [PutOutcome.STORED]
+    mkey = object_key(ns, *addr("k"))
+    damaged = bytearray(raw_client.get(mkey))
+    damaged[-1] ^= 0x01  # a payload byte: only the CRC tells
+    raw_client.batch_remove([mkey], True)
+    assert raw_client.put(mkey, bytes(damaged)) == 0
+    before = staged.stats().corrupted_dropped
+    assert read(staged, ns, MODE, [addr("k")]) == [None]
+    assert staged.stats().corrupted_dropped == before + 1
+    assert raw_client.batch_is_exist([mkey]) == [0]
+
+
+def test_no_slot_outlives_its_reservation_or_lease(staged: MooncakeBackend) -> None:
+    """A writer that dies before committing (its session's reservations cancelled), a lease released
+    twice, and a staging arena too small for a Get: every slot comes back, nothing half-stored."""
+    assert staged._staging is not None
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    grants = staged.reserve(ns, MODE, [(addr("dead"), 4096)])
+    assert isinstance(grants[0], SlotReference) and staged.stats().reserved_bytes == 4096
+    staged.cancel([grants[0].generation])
+    assert staged._staging.slots_in_use == 0 and staged.stats().reserved_bytes == 0
+    assert staged.lookup(ns, MODE, [addr("dead")]) == [KeyStatus.MISS]
+    # Committing a cancelled reservation stores nothing.
+    [late], stored = staged.commit(ns, MODE, [grants[0].generation])
+    assert late.outcome is PutOutcome.REJECTED and stored == 0
+    big = [(addr(f"big{i}"), os.urandom(6 << 20)) for i in range(4)]
+    assert {r.outcome for r in staged.put_many(ns, MODE, big)} == {PutOutcome.STORED}
+    statuses, _, pinned = staged.get_references(ns, MODE, [a for a, _ in big])
+    # 16 MiB of staging holds two 6 MiB values at once: the others are misses, never wrong bytes.
+    assert statuses.count(KeyStatus.HIT) == len(pinned) == 2
+    assert staged._staging.slots_in_use == 2
+    staged.unpin(ns, pinned)
+    staged.unpin(ns, pinned)
+    assert staged._staging.slots_in_use == 0
+    assert read(staged, ns, MODE, [a for a, _ in big[:2]]) == [v for _, v in big[:2]]
+
+
+@pytest.fixture
+def replicas(cluster: MooncakeCluster, tmp_path: Path, shm_dir: Path) -> Iterator[tuple[Replica, Replica]]:
+    pair = (
+        Replica(cluster, tmp_path, "shm", [f"--shm-dir={shm_dir}", "--mooncake-shm-staging=64MiB"]),
+        Replica(cluster, tmp_path, "inline", ["--shm-dir="]),
+    )
+    for replica in pair:
+        replica.start()
+    yield pair
+    for replica in pair:
+        replica.stop()
+
+
+def client_of(replica: Replica, tenant: str) -> StoreClient:
+    client = StoreClient(
+        f"127.0.0.1:{replica.port}",
+        engine_id=f"engine-{replica.name}",
+        namespace=namespace(tenant=tenant),
+        mode=keys.mode(16, 0),
+        probe_keys=keys.probe_keys(16, 0),
+        rpc_timeout_s=10.0,
+    )
+    assert client.open()
+    return client
+
+
+def test_store_client_uses_the_shared_memory_path_over_mooncake_and_the_other_replica_reads_inline(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    shm_replica, inline_replica = replicas
+    tenant = "t-" + uuid.uuid4().hex[:8]
+    near = client_of(shm_replica, tenant)
+    far = client_of(inline_replica, tenant)
+    try:
+        assert near.data_path == "shared_memory"
+        assert far.data_path == "inline"
+        items = [(0, f"size-{n}".encode(), os.urandom(n), b"") for n in SIZES]
+        assert near.put(items) == [pb.STORED] * len(items)
+        blocks = [(g, k) for g, k, _, _ in items]
+        assert [bytes(v) if v is not None else None for v in far.get(blocks)] == [v for _, _, v, _ in items]
+        more = [(1, f"far-{n}".encode(), os.urandom(n), b"") for n in SIZES]
+        assert far.put(more) == [pb.STORED] * len(more)
+        got = near.get([(g, k) for g, k, _, _ in more])
+        assert [bytes(v) if v is not None else None for v in got] == [v for _, _, v, _ in more]
+        assert near.put(items[:2]) == [pb.ALREADY_PRESENT] * 2
+    finally:
+        near.close()
+        far.close()
