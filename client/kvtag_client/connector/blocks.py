@@ -117,7 +117,7 @@ def block_nbytes(views: Sequence[LayerView]) -> int:
     return sum(view.block_nbytes() for view in views)
 
 
-def scatter(views: Sequence[LayerView], block_id: int, value: bytes) -> bool:
+def scatter(views: Sequence[LayerView], block_id: int, value: bytes | memoryview) -> bool:
     """Write a stored block into block_id; False (nothing written) if its size does not fit this layout."""
     if len(value) != block_nbytes(views):
         return False

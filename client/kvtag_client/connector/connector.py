@@ -25,6 +25,7 @@ from .store_session import open_client
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
+    from kvtag.v1 import store_pb2 as pb
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvtag_client.store import StoreClient
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -66,7 +69,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
                 "kvtag: kv_load_failure_policy set to 'recompute' (blocks that fail to load are recomputed)"
             )
         self.stats = StatsRecorder()
-        self._client: Any = None
+        self._client: StoreClient | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reported_degraded = 0
@@ -108,7 +111,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
         self._client = None
         self._reported_degraded = 0
 
-    def namespace_descriptor(self) -> Any:
+    def namespace_descriptor(self) -> pb.NamespaceDescriptor:
         tp_rank = 0
         if self.role == KVConnectorRole.WORKER:
             try:
@@ -121,7 +124,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
             self._vllm_config, self._kv_cache_config, self.config, self.geometry, tp_rank
         )
 
-    def hashing_mode(self) -> Any:
+    def hashing_mode(self) -> pb.HashingMode:
         return namespace.hashing_mode(
             self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
         )
@@ -131,7 +134,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # 
             self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
         )
 
-    def client(self) -> Any:
+    def client(self) -> StoreClient:
         """The store client of this role, opened on first use."""
         if self._client is None:
             self._client = open_client(

@@ -13,11 +13,14 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtag.v1 import store_pb2 as pb
 
 from .stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from kvtag_client.store import SharedPut, StoreClient
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -29,19 +32,19 @@ class PendingPut:
     items: list[tuple[int, bytes, bytes, bytes]]
     # Shared-memory path: the values already sit in store slots (StoreClient.reserve); committing is
     # what is left. `items` is then empty.
-    reservation: Any = None
+    reservation: SharedPut | None = None
 
     @property
     def nbytes(self) -> int:
         if self.reservation is not None:
-            return int(self.reservation.nbytes)
+            return self.reservation.nbytes
         return sum(len(value) for _, _, value, _ in self.items)
 
 
 class Saver:
     def __init__(
         self,
-        client_getter: Callable[[], Any],
+        client_getter: Callable[[], StoreClient],
         stats: StatsRecorder,
         max_pending_bytes: int,
         batch_blocks: int,
@@ -136,7 +139,7 @@ class Saver:
     def _put(self, work: PendingPut) -> None:
         client = self._client()
         if work.reservation is not None:
-            self._commit(work, client)
+            self._commit(work, work.reservation, client)
             return
         for start in range(0, len(work.items), self._batch):
             batch = work.items[start : start + self._batch]
@@ -154,9 +157,8 @@ class Saver:
                 else:
                     self._stats.add("dropped_saves")
 
-    def _commit(self, work: PendingPut, client: Any) -> None:
+    def _commit(self, work: PendingPut, reservation: SharedPut, client: StoreClient) -> None:
         """Make a shared-memory save's slots visible (the bytes were gathered into them in the step)."""
-        reservation = work.reservation
         statuses = client.commit(reservation)
         if statuses is None:
             # The client counted the failed call itself (degraded_calls); this counts the blocks.

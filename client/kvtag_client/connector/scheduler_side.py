@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 
-from ..store import PackedKeys
+from ..store import PackedKeys, StoreClient
 from . import compat
 from .config import KvtagConfig
 from .groups import CacheGroups
@@ -29,7 +29,7 @@ class SchedulerSide:
         groups: CacheGroups,
         lookahead: int,
         eagle_block_drop: bool,
-        client: Any,
+        client: StoreClient,
         stats: StatsRecorder,
     ) -> None:
         self.config = config

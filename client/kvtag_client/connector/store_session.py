@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtag.v1 import store_pb2 as pb
 
 from .config import ConnectorConfigError, KvtagConfig
+
+if TYPE_CHECKING:
+    from kvtag_client.store import StoreClient
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -20,7 +23,7 @@ def open_client(
     mode: pb.HashingMode,
     probe_keys: list[bytes],
     labels: dict[str, str],
-) -> Any:
+) -> StoreClient:
     """A StoreClient for this role. It never raises on an unreachable store or a refused token: calls
     degrade to misses. A TLS or token file that cannot be read is a configuration error."""
     from kvtag_proto.channels import ChannelConfigError, ChannelSecurity
@@ -50,7 +53,7 @@ def open_client(
         engine_id,
         config.endpoint,
         "TLS" if security.tls else "plaintext",
-        getattr(client.state, "name", client.state),
+        client.state.name,
         mode.lookahead_tokens,
         mode.key_scheme,
     )

@@ -11,12 +11,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
-from .metadata import KvtagConnectorMetadata, SaveJob
+from .metadata import BlockTransfer, KvtagConnectorMetadata, SaveJob
 from .saver import PendingPut, Saver
 from .stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from kvtag_client.store import StoreClient
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -25,7 +28,7 @@ class WorkerSide:
     def __init__(
         self,
         kv_cache_config: Any,
-        client_getter: Callable[[], Any],
+        client_getter: Callable[[], StoreClient],
         stats: StatsRecorder,
         max_pending_save_bytes: int,
         save_batch_blocks: int,
@@ -75,7 +78,7 @@ class WorkerSide:
     def _save(self, job: SaveJob) -> None:
         transfers = [t for t in job.blocks if t.group < len(self._views) and self._views[t.group]]
         client = self._client()
-        if transfers and getattr(client, "data_path", "inline") == "shared_memory":
+        if transfers and client.data_path == "shared_memory":
             self._save_shared(job.req_id, transfers, client)
         elif transfers:
             items = [
@@ -94,7 +97,7 @@ class WorkerSide:
             with self._lock:
                 self._finished_sending.add(job.req_id)
 
-    def _save_shared(self, req_id: str, transfers: list[Any], client: Any) -> None:
+    def _save_shared(self, req_id: str, transfers: list[BlockTransfer], client: StoreClient) -> None:
         """Gather the blocks straight into store slots now (the blocks may be reused after this step);
         the saver commits them in the background."""
         sized = [(t.group, t.key, block_nbytes(self._views[t.group]), t.base_key) for t in transfers]
@@ -111,12 +114,12 @@ class WorkerSide:
                 gather_into(self._views[transfer.group], transfer.block_id, slot)
         self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
 
-    def _load(self, req_id: str, transfers: list[Any], lease_id: str) -> set[int]:
+    def _load(self, req_id: str, transfers: list[BlockTransfer], lease_id: str) -> set[int]:
         """Scatter stored blocks into their engine blocks; returns the block ids that failed."""
         client = self._client()
         blocks = [(t.group, t.key) for t in transfers]
         loaded = [False] * len(transfers)
-        if getattr(client, "data_path", "inline") == "shared_memory":
+        if client.data_path == "shared_memory":
 
             def sink(index: int, source: memoryview) -> bool:
                 transfer = transfers[index]
