@@ -17,7 +17,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
-from kvtag_store.backends.mooncake.backend import connect
+from kvtag_store.backends.mooncake.backend import MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import census_key
 
 from tests.descriptors import mode, namespace
@@ -119,3 +119,48 @@ def test_master_restart_forgets_the_record_the_new_mode_is_still_refused(
     wait_until(lambda: own_cluster.capacity() > 0, 30, "the storage node to re-mount")
     refused(two, ns, "engine-2")
     assert two.open(ns, ESTABLISHED, "engine-3").session_id
+
+
+def _endpoints(raw: MooncakeClient, key: str) -> set[str]:
+    return {
+        str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+        for replica in raw.batch_get_replica_desc([key]).get(key, [])
+        if replica.is_memory_replica()
+    }
+
+
+def test_record_is_kept_on_two_storage_nodes_and_outlives_one_without_any_replica_restoring_it(
+    tmp_path: Path,
+) -> None:
+    """Replication alone: both replicas stop before a storage node dies, so no keeper puts the record
+    back; a fresh replica that never saw the namespace still reads the established mode from the
+    surviving copy and refuses another mode (MODE_REFUSED, not UNAVAILABLE: nothing was lost)."""
+    cluster = MooncakeCluster(tmp_path)
+    cluster.start_master()
+    cluster.start_storage(32 << 20)
+    cluster.start_storage(32 << 20)
+    raw = connect(settings_for(cluster))
+    first = Replica(cluster, tmp_path, "replica1", ["--policy=strict"])
+    fresh = Replica(cluster, tmp_path, "replica2", ["--policy=strict"])
+    try:
+        first.start()
+        ns = namespace("model-" + uuid.uuid4().hex[:10])
+        first.open(ns, ESTABLISHED, "engine-1")
+        key = census_key(ids.namespace_id(ns), "mode")
+        record = raw.get(key)
+        assert record, "the census record was not written"
+        assert len(_endpoints(raw, key)) == 2, "the census record is not on both storage nodes"
+        first.stop()
+        victim = cluster.storage.pop(0)
+        victim.kill()
+        victim.wait(5)
+        wait_until(lambda: cluster.capacity() == 32 << 20, 15, "the master to drop the dead node")
+        assert raw.get(key) == record, "the surviving copy is not the record"
+        fresh.start()
+        assert refused(fresh, ns, "engine-2") == 0
+        assert fresh.open(ns, ESTABLISHED, "engine-3").session_id
+    finally:
+        first.stop()
+        fresh.stop()
+        raw.close()
+        cluster.stop()

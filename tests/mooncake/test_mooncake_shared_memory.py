@@ -6,6 +6,7 @@ replica reading the same blocks inline."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,6 +178,40 @@ def test_no_slot_outlives_its_reservation_or_lease(staged: MooncakeBackend) -> N
     staged.unpin(ns, pinned)
     assert staged._staging.slots_in_use == 0
     assert read(staged, ns, MODE, [a for a, _ in big[:2]]) == [v for _, v in big[:2]]
+
+
+def test_shared_memory_get_of_blocks_on_a_killed_storage_process_waits_one_transfer_timeout(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """As for the inline Get (test_mooncake_faults): 16 blocks on a dead storage process cost one read
+    call and at most about one transfer timeout, the next Get none, and every slot comes back."""
+    own = MooncakeCluster(tmp_path)
+    own.start_master()
+    own.start_storage(32 << 20)
+    backend = MooncakeBackend(connect(settings_for(own)), staged_settings(own, shm_dir))
+    try:
+        ns = "ns-" + uuid.uuid4().hex[:16]
+        blocks = [addr(f"k{i}") for i in range(16)]
+        assert (
+            write(backend, ns, MODE, [(a, bytes([i]) * 4096) for i, a in enumerate(blocks)])
+            == [PutOutcome.STORED] * 16
+        )
+        own.kill_storage()
+        started = time.monotonic()
+        statuses, references, pinned = backend.get_references(ns, MODE, blocks)
+        elapsed = time.monotonic() - started
+        assert statuses == [KeyStatus.MISS] * 16 and references == [None] * 16 and pinned == []
+        assert elapsed < 3.0, (
+            f"a shared-memory Get of 16 blocks on a dead storage process took {elapsed:.1f} s"
+        )
+        assert backend.errors.snapshot().get("transfer") == 16
+        started = time.monotonic()
+        assert backend.get_references(ns, MODE, blocks)[0] == [KeyStatus.MISS] * 16
+        assert time.monotonic() - started < 0.5
+        assert backend._staging is not None and backend._staging.slots_in_use == 0
+    finally:
+        backend.close()
+        own.stop()
 
 
 @pytest.fixture
