@@ -235,6 +235,8 @@ class Session:
                 if response.HasField("limits"):
                     self.limits = self._merged_limits(response.limits)
                 self.warnings = list(response.warnings)
+                if self._arena is not None:
+                    self._arena.close()
                 self._arena = None
                 self.state = StoreState.CONNECTED
                 if reconnect:
@@ -497,6 +499,9 @@ class Session:
                     pb.CloseSessionRequest(session_id=session_id), timeout=min(self.rpc_timeout_s, 0.5)
                 )
         self._thread.join(timeout=self.rpc_timeout_s + 1.0)
+        with self._lock:
+            if self._arena is not None:
+                self._arena.close()
         self._channel.close()
 
     def __enter__(self) -> Self:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
+import time
 
 from kvtag.v1 import store_pb2 as pb
 
@@ -25,6 +27,10 @@ _EXTENT = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Values start after a 64-byte slot header; nothing a reference names lies below this.
 _FIRST_VALUE = 4096 + 64
+# The arena header's count of bytes the service has reserved and touched (u64), and how long the
+# follower below keeps watching it once it stops growing.
+_FAULTED_OFFSET = 32
+_FOLLOW_IDLE_S = 5.0
 
 
 class UnusableOffer(Exception):
@@ -59,6 +65,34 @@ class ArenaMapping:
         self.nonce = bytes(self.view[offer.nonce_offset : end])
         self._populated: set[int] = set()
         self._populate = True
+        self._closed = threading.Event()
+        # Map what the service has touched into this process's page tables in the background, so a
+        # put or get here does not pay the first access per page (about half the speed of the copy).
+        threading.Thread(target=self._follow, name="kvtag-arena-map", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the background mapping; the mapping itself lives as long as views of it do."""
+        self._closed.set()
+
+    def _follow(self) -> None:
+        """Map extents as the service publishes them (the faulted word), one at a time, releasing the
+        GIL between them; ends when the arena is covered or the word stopped growing."""
+        done = 0
+        quiet_since = time.monotonic()
+        while not self._closed.is_set() and self._populate:
+            faulted = min(self.size, _GENERATION.unpack_from(self._mmap, _FAULTED_OFFSET)[0])
+            if faulted <= done:
+                if done >= self.size or time.monotonic() - quiet_since > _FOLLOW_IDLE_S:
+                    return
+                self._closed.wait(0.05)
+                continue
+            for extent in range(done // _EXTENT, faulted // _EXTENT):
+                if self._closed.is_set():
+                    return
+                self._map_extents(extent * _EXTENT, (extent + 1) * _EXTENT)
+                time.sleep(0)
+            done = faulted // _EXTENT * _EXTENT
+            quiet_since = time.monotonic()
 
     def slot(self, ref: pb.SharedMemoryRef) -> memoryview:
         """The value bytes a reference names; ValueError when it does not lie inside this arena."""

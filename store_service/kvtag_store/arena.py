@@ -3,7 +3,7 @@
 An arena is one mapping carved into slots. Each slot is a 64-byte header (the last 8 bytes hold the
 slot's generation, little-endian) followed by the value, so values are 64-byte aligned:
 
-    [0, 4096)            arena header: magic, format version, the attach nonce
+    [0, 4096)            arena header: magic, format version, the attach nonce, faulted bytes
     [s, s+64)            slot header; generation word at s+56
     [s+64, s+64+length)  the value (its offset is what SharedMemoryRef.offset names)
 
@@ -41,16 +41,21 @@ FORMAT_VERSION = 1
 ARENA_HEADER = 4096
 NONCE_OFFSET = 16
 NONCE_LENGTH = 16
+# Bytes from the arena's start whose pages are reserved and touched (u64 little-endian), published after
+# each extent, so a client can map them into its own page tables ahead of use.
+FAULTED_OFFSET = 32
 SLOT_HEADER = 64
 ALIGN = 64
 # Pages are reserved and touched this much at a time, ahead of the bump pointer.
 EXTENT = 2 << 20
 # How far above the bump pointer pages are kept touched (by a background thread), so a put never
-# waits for first-touch faults unless it outruns this window.
+# waits for first-touch faults unless it outruns this window. Beyond it, an arena is touched up front
+# to its `eager` size (the capacity its pool leaves it) from the moment it is created.
 PREFAULT_WINDOW = 64 << 20
 # madvise(MADV_POPULATE_WRITE): map a range's pages in one call instead of a fault per page (Linux 5.14).
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _GENERATION = struct.Struct("<Q")
+_FAULTED = struct.Struct("<Q")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -126,10 +131,14 @@ class Arena:
     """Slots in one mapping. Not thread-safe: the memory backend calls it under its lock (except
     `view` reads and writes of slots it owns)."""
 
-    def __init__(self, tenant: str, size: int, directory: str | None, group: int | None = None) -> None:
+    def __init__(
+        self, tenant: str, size: int, directory: str | None, group: int | None = None, eager: int = 0
+    ) -> None:
         """A file in `directory` (e.g. /dev/shm, mode 0600) that clients may map, or anonymous
         memory when `directory` is None (the inline path only). With `group` the file is that group's
-        and mode 0660: the tenant's engines, in that group under their own users, may map it."""
+        and mode 0660: the tenant's engines, in that group under their own users, may map it.
+        `eager`: bytes the background prefaulter touches from the start, whatever has been used, so a
+        filling store's puts find their pages ready (a first touch costs ~1 GB/s here)."""
         self.tenant = tenant
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_LENGTH)
@@ -165,6 +174,7 @@ class Arena:
         self._faulted = 0
         # A small store does not need 64 MiB touched ahead (the arena is about twice the capacity).
         self._window = min(PREFAULT_WINDOW, max(EXTENT, size // 4))
+        self._eager = min(size, _round_up(eager, EXTENT))
         self._fault_lock = threading.Lock()
         self._closed = False
         self._top = ARENA_HEADER
@@ -271,16 +281,16 @@ class Arena:
             return True
 
     def prefault_ahead(self) -> None:
-        """Touch pages up to the prefault window above the bump pointer, an extent at a time, so puts find
-        their slots faulted. Called from the backend's prefault thread, outside the backend lock."""
-        target = min(self.size, self._top + self._window)
-        while self._faulted < target and not self._closed:
+        """Touch pages up to the eager size and the prefault window above the bump pointer, an extent at a
+        time, so puts find their slots faulted. Called from the backend's prefault thread, outside the
+        backend lock (the fault lock is taken per extent, so a put that outruns it waits one extent)."""
+        while not self._closed and self._faulted < max(self._eager, min(self.size, self._top + self._window)):
             with self._fault_lock:
                 if self._closed or not self._fault_extent():
                     return
 
     def wants_prefault(self) -> bool:
-        return self._faulted < min(self.size, self._top + self._window // 2)
+        return self._faulted < max(self._eager, min(self.size, self._top + self._window // 2))
 
     def _fault_extent(self) -> bool:
         """One more extent reserved (posix_fallocate: ENOSPC here, not SIGBUS later) and its pages
@@ -302,6 +312,7 @@ class Arena:
                 return False
         populate_write(self._mmap, start, end - start)
         self._faulted = end
+        _FAULTED.pack_into(self._mmap, FAULTED_OFFSET, end)
         return True
 
     def free_ranges(self) -> list[tuple[int, int]]:

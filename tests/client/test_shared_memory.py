@@ -254,3 +254,28 @@ def test_a_session_commits_only_its_own_reservations_and_each_once(
     )
     assert [r.status for r in again.results] == [pb.REJECTED]
     assert other.get([(0, b"owned")]) == [b"owned"]
+
+
+def _resident(path: str) -> int:
+    """Bytes of the file `path` mapped into this process's page tables (smaps Rss of its mappings)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's header line: "start-end perms offset dev inode path"
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_the_client_maps_what_the_service_prefaulted_before_any_put(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    """The service touches its arena up front; the client follows the arena's faulted word and maps those
+    pages into its own page tables in the background, so its first puts do not pay a fault per page."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant="premapped")
+    arena = client._shared_arena()
+    assert arena is not None
+    path = next(str(p) for p in Path("/dev/shm").glob(f"*{arena.segment}*"))
+    faulted = lambda: int.from_bytes(arena.view[32:40], "little")  # noqa: E731
+    wait_until(lambda: faulted() >= 32 << 20, 30, "the service's eager prefault")
+    wait_until(lambda: _resident(path) >= 32 << 20, 30, "the client's mapping of the prefaulted pages")

@@ -8,7 +8,10 @@ import random
 import stat
 from pathlib import Path
 
-from kvtag_store.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans
+from kvtag_store.arena import ARENA_HEADER, EXTENT, FAULTED_OFFSET, Arena, Slot, remove_orphans
+from kvtag_store.backends.memory import MemoryBackend
+
+from tests.net import wait_until
 
 
 def test_random_allocations_never_overlap_and_reuse_changes_the_generation() -> None:
@@ -68,3 +71,57 @@ def test_arena_files_are_private_and_orphans_are_removed(tmp_path: Path) -> None
     assert not orphan.exists() and Path(arena.path).exists()
     arena.close()
     assert not Path(arena.path).exists()
+
+
+def _resident_shmem(path: str) -> int:
+    """Bytes of the file `path` mapped into this process's page tables (smaps Rss of its mappings)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef":
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_an_arena_touches_its_eager_size_up_front_and_publishes_how_far(tmp_path: Path) -> None:
+    """A filling store's puts must find their pages ready: the prefaulter touches the eager size from
+    the start, with nothing allocated, and the header's faulted word tells clients how far it got."""
+    arena = Arena("eager", 16 * EXTENT, str(tmp_path), eager=6 * EXTENT)
+    lazy = Arena("lazy", 16 * EXTENT, str(tmp_path))
+    try:
+        wait_until(lambda: arena.faulted_bytes >= 6 * EXTENT, 20, "the eager extents")
+        word = int.from_bytes(arena.view[FAULTED_OFFSET : FAULTED_OFFSET + 8], "little")
+        assert word == arena.faulted_bytes
+        assert arena.path is not None and os.stat(arena.path).st_blocks * 512 >= 6 * EXTENT
+        assert _resident_shmem(arena.path) >= 6 * EXTENT
+        # Without an eager size only the window above the (unused) bump pointer is touched.
+        wait_until(lambda: not lazy.wants_prefault(), 20, "the lazy window")
+        assert lazy.faulted_bytes <= 16 * EXTENT // 4 + EXTENT  # its window (a quarter) and the header
+    finally:
+        arena.close()
+        lazy.close()
+
+
+def test_the_memory_backend_prefaults_each_pools_capacity_once(tmp_path: Path) -> None:
+    """Eager prefaulting never commits more memory than the capacities add up to: the first arena of
+    a pool takes the pool's capacity, later arenas of that pool only their window."""
+    capacity, quota = 24 * EXTENT, 8 * EXTENT
+    backend = MemoryBackend(capacity, tenant_quotas={"q": quota}, shm_dir=str(tmp_path))
+    try:
+        for n, tenant in enumerate(["first", "second", "q"]):
+            backend.assign_tenant(f"ns-{n}", tenant)
+        arenas = {tenant: backend._arenas[tenant] for tenant in ("first", "second", "q")}
+        wait_until(
+            lambda: (
+                arenas["first"].faulted_bytes >= capacity - quota
+                and arenas["q"].faulted_bytes >= quota
+                and not arenas["second"].wants_prefault()
+            ),
+            30,
+            "each pool's eager prefault",
+        )
+        assert arenas["second"].faulted_bytes < capacity - quota
+        assert arenas["first"].faulted_bytes < capacity, "only the shared pool's share, not the quota's"
+    finally:
+        backend.close()

@@ -101,10 +101,13 @@ class _Reservation:
 class _Pool:
     """Bytes shared by some namespaces (one quota tenant's, or all the others') and their LRU order."""
 
-    __slots__ = ("capacity", "lru", "reserved", "tenant", "used")
+    __slots__ = ("capacity", "eager_left", "lru", "reserved", "tenant", "used")
 
     def __init__(self, capacity: int, tenant: str | None) -> None:
         self.capacity = capacity
+        # Bytes of this pool's arenas still to be prefaulted up front: the first arena of a pool takes
+        # its capacity, so prefaulting never commits more memory than the capacities add up to.
+        self.eager_left = capacity
         self.tenant = tenant  # None: the shared pool
         self.used = 0
         self.reserved = 0  # bytes of slots reserved and not yet inserted
@@ -297,6 +300,8 @@ class MemoryBackend:
         if arena is not None:
             return arena
         size = arena_size(self._capacity)
+        pool = self._tenant_pools.get(tenant, self._shared)
+        eager, pool.eager_left = pool.eager_left, 0
         if self._shm_dir is not None:
             try:
                 free = shared_memory_room(self._shm_dir)
@@ -305,7 +310,7 @@ class MemoryBackend:
                         f"it has {free} bytes free and the store's capacity is {self._capacity} bytes "
                         "(give the container a larger /dev/shm, e.g. --shm-size, or lower --capacity)"
                     )
-                arena = Arena(tenant, size, self._shm_dir, group=self._shm_groups.get(tenant))
+                arena = Arena(tenant, size, self._shm_dir, group=self._shm_groups.get(tenant), eager=eager)
             except OSError as exc:
                 log.warning(
                     "cannot create a shared-memory arena in %s (%s); values stay in process memory and "
@@ -314,7 +319,7 @@ class MemoryBackend:
                     exc,
                 )
         if arena is None:
-            arena = Arena(tenant, size, None)
+            arena = Arena(tenant, size, None, eager=eager)
         self._arenas[tenant] = arena
         return arena
 
