@@ -31,7 +31,7 @@ _IN_FLIGHT = 4
 class InlineTransfer(Calls):
     """StoreClient's puts and gets when values travel in gRPC messages."""
 
-    def _put_inline(self, items: Sequence[tuple[int, bytes, bytes, bytes]]) -> list[int] | None:
+    def _put_inline(self, items: Sequence[PutItemFields]) -> list[int] | None:
         """put() in gRPC messages (see StoreClient.put)."""
         results: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
         with self._lock:
@@ -83,7 +83,7 @@ class InlineTransfer(Calls):
         return max(1, min(self._message_budget(), _MAX_MESSAGE, max(_MIN_MESSAGE, share)))
 
     def _put_messages(
-        self, items: Sequence[tuple[int, bytes, bytes, bytes]], sendable: list[int], target: int
+        self, items: Sequence[PutItemFields], sendable: list[int], target: int
     ) -> Iterator[list[int]]:
         """Item indices grouped into Put messages: <= max_batch_items items, ~target bytes (or one item)."""
         message: list[int] = []
@@ -118,7 +118,7 @@ class InlineTransfer(Calls):
             for future in pending:
                 future.cancel()
 
-    def _put_fields(self, item: tuple[int, bytes, bytes, bytes]) -> PutItemFields:
+    def _put_fields(self, item: PutItemFields) -> PutItemFields:
         """(group, key, value, base_key) as sent: an invalid base key is dropped, as in _block_ref."""
         group, key, value, base_key = item
         if base_key and not self._valid_key(base_key):

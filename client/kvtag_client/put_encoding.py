@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 from kvtag_proto.varint import encode_varint
 
-# (group, key, value, base_key), in the order StoreClient.put takes them.
-PutItemFields = tuple[int, bytes, bytes, bytes]
+from kvtag_client.items import PutItemFields
 
 
 def _length_delimited(tag: bytes, payload: bytes) -> bytes:

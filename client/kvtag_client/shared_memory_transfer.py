@@ -10,11 +10,9 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls
+from kvtag_client.items import SizedItemFields
 from kvtag_client.session import _CallFailed, _Deadline
 from kvtag_client.shared_memory import ArenaMapping
-
-# A (group, key, length, base_key) item for a put whose bytes the caller writes (reserve / put_from).
-SizedItem = tuple[int, bytes, int, bytes]
 
 
 @dataclass
@@ -24,7 +22,7 @@ class SharedPut:
     (ALREADY_PRESENT, CONFLICT, REJECTED)."""
 
     session_id: str
-    items: list[SizedItem]
+    items: list[SizedItemFields]
     statuses: list[int]
     slots: list[memoryview | None]
     refs: list[pb.SharedMemoryRef | None]
@@ -37,7 +35,7 @@ class SharedPut:
 class SharedMemoryTransfer(Calls):
     """StoreClient's reservations, commits and reads of arena slots."""
 
-    def reserve(self, items: Sequence[SizedItem]) -> SharedPut | None:
+    def reserve(self, items: Sequence[SizedItemFields]) -> SharedPut | None:
         """Slots for a shared-memory put, or None when this session is not on the shared-memory path
         (or the store failed: the items are then counted as dropped)."""
         arena = self._shared_arena()

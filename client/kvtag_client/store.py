@@ -13,14 +13,16 @@ from collections.abc import Callable, Sequence
 
 from kvtag_client.get_decoding import Value
 from kvtag_client.inline_transfer import InlineTransfer
+from kvtag_client.items import PutItem, PutItemFields, SizedItem, SizedItemFields
 from kvtag_client.lookups import LookupResult, Lookups, PackedKeys, pack_blocks
 from kvtag_client.session import ClientCounters, StoreState
-from kvtag_client.shared_memory_transfer import SharedMemoryTransfer, SharedPut, SizedItem
+from kvtag_client.shared_memory_transfer import SharedMemoryTransfer, SharedPut
 
 __all__ = [
     "ClientCounters",
     "LookupResult",
     "PackedKeys",
+    "PutItem",
     "SharedPut",
     "SizedItem",
     "StoreClient",
@@ -33,7 +35,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
     """Thread-safe client of one kvtag store session (see module docstring): each put and get goes
     through the shared-memory arena while the session has one, inline otherwise."""
 
-    def put(self, items: Sequence[tuple[int, bytes, bytes, bytes]]) -> list[int] | None:
+    def put(self, items: Sequence[PutItemFields]) -> list[int] | None:
         """Store (group, key, value, base_key) items; a PutStatus per item, or None when all were dropped.
 
         Batches are split into Put messages within the server's Limits (at most
@@ -74,7 +76,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         return self._get_inline(blocks, lease_id)
 
     def put_from(
-        self, items: Sequence[SizedItem], fill: Callable[[int, memoryview], None]
+        self, items: Sequence[SizedItemFields], fill: Callable[[int, memoryview], None]
     ) -> list[int] | None:
         """Store (group, key, length, base_key) items whose bytes `fill(index, destination)` writes
         (exactly `length` bytes into the memoryview): straight into arena slots on the shared-memory

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from kvtag.v1 import store_pb2 as pb
 
+from kvtag_client.items import PutItem
+
 from .stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -28,8 +30,7 @@ logger = logging.getLogger("kvtag.connector")
 @dataclass(frozen=True, slots=True)
 class PendingPut:
     req_id: str
-    # (group, key, value, base_key)
-    items: list[tuple[int, bytes, bytes, bytes]]
+    items: list[PutItem]
     # Shared-memory path: the values already sit in store slots (StoreClient.reserve); committing is
     # what is left. `items` is then empty.
     reservation: SharedPut | None = None
@@ -38,7 +39,7 @@ class PendingPut:
     def nbytes(self) -> int:
         if self.reservation is not None:
             return self.reservation.nbytes
-        return sum(len(value) for _, _, value, _ in self.items)
+        return sum(len(item.value) for item in self.items)
 
 
 class Saver:
@@ -148,12 +149,12 @@ class Saver:
                 # The client counted the failed call itself (degraded_calls); this counts the blocks.
                 self._stats.add("dropped_saves", len(batch))
                 continue
-            for (group, key, value, _), status in zip(batch, statuses, strict=False):
+            for item, status in zip(batch, statuses, strict=False):
                 if status in (pb.STORED, pb.ALREADY_PRESENT):
                     self._stats.add("saved_blocks")
-                    self._stats.add("saved_bytes", len(value))
+                    self._stats.add("saved_bytes", len(item.value))
                     if self._audit and status == pb.STORED:
-                        self._stored_here.setdefault(work.req_id, set()).add((group, key))
+                        self._stored_here.setdefault(work.req_id, set()).add((item.group, item.key))
                 else:
                     self._stats.add("dropped_saves")
 

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtag_client.items import PutItem, SizedItem
+
 from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
 from .metadata import BlockTransfer, KvtagConnectorMetadata, SaveJob
 from .saver import PendingPut, Saver
@@ -82,7 +84,8 @@ class WorkerSide:
             self._save_shared(job.req_id, transfers, client)
         elif transfers:
             items = [
-                (t.group, t.key, gather(self._views[t.group], t.block_id), t.base_key) for t in transfers
+                PutItem(t.group, t.key, gather(self._views[t.group], t.block_id), t.base_key)
+                for t in transfers
             ]
             self.saver.submit(PendingPut(job.req_id, items))
         if job.audit:
@@ -100,8 +103,8 @@ class WorkerSide:
     def _save_shared(self, req_id: str, transfers: list[BlockTransfer], client: StoreClient) -> None:
         """Gather the blocks straight into store slots now (the blocks may be reused after this step);
         the saver commits them in the background."""
-        sized = [(t.group, t.key, block_nbytes(self._views[t.group]), t.base_key) for t in transfers]
-        nbytes = sum(size for _, _, size, _ in sized)
+        sized = [SizedItem(t.group, t.key, block_nbytes(self._views[t.group]), t.base_key) for t in transfers]
+        nbytes = sum(item.length for item in sized)
         if not self.saver.admit(nbytes, len(sized)):
             return
         reservation = client.reserve(sized)
