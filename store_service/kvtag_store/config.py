@@ -138,8 +138,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag(
         "--shm-dir",
         "/dev/shm",
-        "directory of the memory backend's shared-memory arenas, which same-host clients map; "
-        "empty keeps values in process memory (inline path only)",
+        "directory of the shared-memory arenas same-host clients map (the memory backend's values, "
+        "the Mooncake backend's staging); empty: inline path only",
     )
     flag("--backend", "memory", "storage backend: memory or mooncake", choices=["memory", "mooncake"])
     flag("--session-ttl-ms", str(CONFIG.session_ttl_ms), "a session expires this long after its last call")
