@@ -94,7 +94,9 @@ class MooncakeCluster:
     def capacity(self) -> int:
         return int(metrics(self.metrics_address).get("master_total_capacity_bytes", 0))
 
-    def start_storage(self, segment_bytes: int = 64 << 20, attempts: int = 3) -> subprocess.Popen[bytes]:
+    def start_storage(
+        self, segment_bytes: int = 64 << 20, attempts: int = 3, mount_timeout_s: float = 15
+    ) -> subprocess.Popen[bytes]:
         """A storage process (Mooncake's standalone client) contributing one segment.
 
         About one start in 25 the process never mounts its segment and its log loops on "Client
@@ -120,7 +122,9 @@ class MooncakeCluster:
             )
             try:
                 wait_until(
-                    lambda: self.capacity() >= before + segment_bytes, 15, "the storage segment to mount"
+                    lambda: self.capacity() >= before + segment_bytes,
+                    mount_timeout_s,
+                    "the storage segment to mount",
                 )
             except AssertionError:  # wait_until's timeout
                 proc.kill()
