@@ -223,6 +223,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "kv_transfer_config",
         "max_num_seqs",
         "max_model_len",
+        "tensor_parallel_size",
+        "distributed_executor_backend",
     ):
         if job.get(key) is not None:
             engine_kwargs[key] = job[key]
