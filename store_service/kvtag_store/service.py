@@ -29,11 +29,13 @@ from kvtag_store.backends.base import (
     BlockKey,
     CensusStore,
     KeyStatus,
+    Payload,
     PutOutcome,
     PutResult,
     ReadResult,
     SharedMemoryBackend,
 )
+from kvtag_store.backends.memory import MemoryBackend
 from kvtag_store.census import Census
 from kvtag_store.config import ServiceConfig
 from kvtag_store.crossmode import BaseKeyIndex
@@ -505,7 +507,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         amortises its round trips); items without an inline value are refused in place."""
         ns_id, mode_id = session.namespace_id, session.mode_id
         outcomes: list[PutResult | None] = [None] * len(items)
-        batch: list[tuple[BlockAddress, bytes]] = []
+        batch: list[tuple[BlockAddress, Payload]] = []
         batch_index: list[int] = []
         for index, item in enumerate(items):
             payload = item.payload
@@ -613,11 +615,17 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return session
 
     def _read(
-        self, request: pb.GetRequest, context: grpc.ServicerContext, rpc: str
-    ) -> tuple[Session, list[BlockAddress], list[Any]]:
+        self, request: pb.GetRequest, context: grpc.ServicerContext, rpc: str, views: bool = False
+    ) -> tuple[Session, list[BlockAddress], list[Any], Sequence[BlockAddress]]:
+        """Results of a Get and what they pinned. With `views` (the memory backend only) the values are
+        views of their slots, pinned until the caller unpins them; otherwise copies, nothing pinned."""
         session = self._session(request.session_id, context, rpc)
         addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
-        results = self.backend.get(session.namespace_id, session.mode_id, addresses)
+        pinned: Sequence[BlockAddress] = ()
+        if views and isinstance(self.backend, MemoryBackend):
+            results, pinned = self.backend.get_views(session.namespace_id, session.mode_id, addresses)
+        else:
+            results = self.backend.get(session.namespace_id, session.mode_id, addresses)
         if request.lease_id:
             self._unpin(self.sessions.release(session, [request.lease_id]))
         hits = sum(1 for r in results if r.status == _HIT)
@@ -625,15 +633,20 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         misses = len(results) - hits - mismatches
         self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
         self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
-        return session, addresses, results
+        return session, addresses, results, pinned
 
     @rpc(intake.GET)
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
-        """Returns the encoded GetResponse (wire.encode_get_results): values are copied once."""
-        _, _, results = self._read(request, context, "Get")
-        served = sum(len(r.value) for r in results if r.value is not None)
-        with self.admission.hold(COPIES * served):
-            reply = wire.encode_get_results(results)
+        """Returns the encoded GetResponse (wire.encode_get_results): with the memory backend each value
+        is copied once, from its pinned slot straight into the reply."""
+        session, _, results, pinned = self._read(request, context, "Get", views=True)
+        try:
+            served = sum(len(r.value) for r in results if r.value is not None)
+            with self.admission.hold(COPIES * served):
+                reply = wire.encode_get_results(results)
+        finally:
+            if pinned:
+                self.backend.unpin(session.namespace_id, pinned)
         self.metrics.get_bytes.inc(served)
         return reply
 
@@ -679,7 +692,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         started = time.perf_counter()
         try:
             with self.admitted(intake.GET, data) as request:
-                _, _, results = self._read(request, context, "GetStream")
+                _, _, results, _ = self._read(request, context, "GetStream")
         except errors.ApiError as exc:
             self.refused("GetStream", exc)
             context.abort_with_status(exc.status)

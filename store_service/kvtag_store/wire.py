@@ -232,7 +232,8 @@ class PutItemView:
     base_key: bytes
     # "value", "shared_memory" or None, like PutItem.WhichOneof("payload").
     payload: str | None
-    value: bytes
+    # A view into the request's bytes (no copy; the backend copies it into the store), or bytes.
+    value: bytes | memoryview
 
 
 @dataclass(slots=True)
@@ -312,7 +313,7 @@ def _parse_put_item(view: memoryview, pos: int, end: int) -> PutItemView:
                 seen_block = True
                 _parse_block(view, pos, pos + length, item)
             elif field == 2:
-                item.payload, item.value = "value", bytes(view[pos : pos + length])
+                item.payload, item.value = "value", view[pos : pos + length]
             else:
                 pb.SharedMemoryRef.FromString(bytes(view[pos : pos + length]))  # validates like upb
                 item.payload, item.value = "shared_memory", b""
@@ -385,7 +386,7 @@ _BARE = {int(s): bytes([0x0A, 2, 0x08, int(s)]) for s in KeyStatus}
 
 def encode_get_results(results: list[ReadResult]) -> bytes:
     """The wire bytes of GetResponse{results}: the same bytes the generated code produces."""
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     append = parts.append
     for result in results:
         value = result.value

@@ -255,3 +255,21 @@ def test_a_store_full_of_packed_leases_rejects_until_they_are_released(make_stor
     assert store.stats().leased_keys == 0
     assert store.put(session, (b"n1", bytes(BLOCK))) == [pb.STORED]
     assert store.stats().evictions == 1
+
+
+def test_an_inline_get_serves_from_pinned_slots_and_leaves_nothing_pinned(make_store: ServerFactory) -> None:
+    """Get replies are built straight from the values' slots, pinned while they are copied: after the
+    answer nothing stays pinned, so the blocks are evictable again, and the bytes are exact."""
+    store = make_store(capacity=2 * BLOCK)
+    session = store.open().session_id
+    values = {b"k1": bytes(range(256)) * 4, b"k2": bytes(reversed(range(256))) * 4}
+    store.put(session, *values.items())
+    results = store.get(session, b"k1", b"k2", b"kx")
+    assert [(r.status, r.value) for r in results] == [
+        (pb.HIT, values[b"k1"]),
+        (pb.HIT, values[b"k2"]),
+        (pb.MISS, b""),
+    ]
+    assert store.stats().leased_keys == 0
+    assert store.put(session, (b"n1", bytes(BLOCK)), (b"n2", bytes(BLOCK))) == [pb.STORED, pb.STORED]
+    assert store.stats().evictions == 2

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 BlockKey = NewType("BlockKey", bytes)
 # (group, key): the address of a block inside one namespace.
 BlockAddress = tuple[int, BlockKey]
+# A value to store: bytes, or a view into the request that carried it (valid for the call only, so a
+# backend copies it before returning). Inline puts hand views, saving a copy of every value.
+Payload = bytes | memoryview
 
 
 class KeyStatus(enum.IntEnum):
@@ -50,7 +53,7 @@ class PutResult:
 @dataclass(frozen=True, slots=True)
 class ReadResult:
     status: KeyStatus
-    value: bytes | None = None
+    value: Payload | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class BlockBackend(Protocol):
     def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult: ...
 
     def put_many(
-        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
     ) -> list[PutResult]:
         """`put` for a batch, results in item order; a repeated address is judged after the first
         (ALREADY_PRESENT). One call per request lets a backend amortise its round trips."""

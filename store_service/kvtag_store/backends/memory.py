@@ -35,6 +35,7 @@ from kvtag_store.backends.base import (
     BlockAddress,
     BlockKey,
     KeyStatus,
+    Payload,
     ProbeRecord,
     PutOutcome,
     PutResult,
@@ -337,7 +338,7 @@ class MemoryBackend:
         return self.put_many(namespace_id, mode_id, [(address, value)])[0]
 
     def put_many(
-        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
     ) -> list[PutResult]:
         """Checksums first, outside the lock (the checksum releases the GIL). Then per _PUT_CHUNK items:
         slots under the lock, copies into them outside it, inserts under the lock again (so a huge
@@ -698,19 +699,25 @@ class MemoryBackend:
                 values[i] = None
         return [ReadResult(status, value) for status, value in zip(statuses, values, strict=True)]
 
+    def get_views(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[ReadResult], list[BlockAddress]]:
+        """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
+        until the caller unpins it, so an inline Get reply is built straight from the arena."""
+        statuses, references, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+        results = [
+            ReadResult(status, e.view() if e is not None else None)
+            for status, e in zip(statuses, references, strict=True)
+        ]
+        return results, pinned
+
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
         """Shared-memory Get: statuses, a reference per verified hit and the pinned addresses, which the
         caller holds under a lease until the reader released them (unpin). Checksums are checked in
         place; a failing value is dropped and answered as a MISS, like get."""
-        statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
-        bad = [i for i, e in enumerate(found) if e is not None and checksum(e.view()) != e.checksum]
-        if bad:
-            self._drop_corrupted(namespace_id, addresses, statuses, found, bad)
-            dropped = {addresses[i] for i in bad}
-            self.unpin(namespace_id, [a for a in pinned if a in dropped])
-            pinned = [a for a in pinned if a not in dropped]
+        statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
         references = [
             SlotReference(e.arena.segment, e.slot.offset, e.slot.length, e.slot.generation)
             if e is not None
@@ -718,6 +725,20 @@ class MemoryBackend:
             for e in found
         ]
         return statuses, references, pinned
+
+    def _verified_pinned(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], list[_Entry | None], list[BlockAddress]]:
+        """_read_pinned with every hit's checksum checked in place: a failing value is dropped, unpinned
+        and answered as a MISS."""
+        statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
+        bad = [i for i, e in enumerate(found) if e is not None and checksum(e.view()) != e.checksum]
+        if bad:
+            self._drop_corrupted(namespace_id, addresses, statuses, found, bad)
+            dropped = {addresses[i] for i in bad}
+            self.unpin(namespace_id, [a for a in pinned if a in dropped])
+            pinned = [a for a in pinned if a not in dropped]
+        return statuses, found, pinned
 
     # -- leases -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from kvtag_store.backends.base import (
     BackendUnavailable,
     BlockAddress,
     KeyStatus,
+    Payload,
     PutOutcome,
     PutResult,
     ReadResult,
@@ -294,7 +295,7 @@ class MooncakeBackend:
 
     # -- writes -------------------------------------------------------------
 
-    def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: bytes) -> PutResult:
+    def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: Payload) -> PutResult:
         if len(value) > self.max_value_bytes:
             return PutResult(
                 PutOutcome.REJECTED,
@@ -367,7 +368,7 @@ class MooncakeBackend:
         )
 
     def put_many(
-        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, bytes]]
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
     ) -> list[PutResult]:
         """`put` for a batch: one Mooncake put_batch and one header read-back per chunk instead of a
         round trip pair per item. Per-item truth still comes from each item's stored header."""
@@ -400,7 +401,7 @@ class MooncakeBackend:
         self,
         namespace_id: str,
         mode_id: str,
-        items: Sequence[tuple[BlockAddress, bytes]],
+        items: Sequence[tuple[BlockAddress, Payload]],
         chunk: list[int],
         results: list[PutResult | None],
         single: list[int],
