@@ -433,7 +433,7 @@ def lookup_calls(
     def packed_and_release() -> int:
         result = client.lookup_packed([PackedKeys(0, joined, KEY_BYTES)])
         assert result.prefix_length == count
-        client.release(result.lease_id)
+        client.release(result.leases)
         return 0
 
     def tuples() -> int:

@@ -22,6 +22,8 @@ from kvtag_client.session import (
 )
 
 _T = TypeVar("_T")
+# The read leases a lookup holds on its hits: one per Lookup message that leased any, () for none.
+Leases = tuple[str, ...]
 
 # Room left in each message for framing, session id and per-item overhead.
 _MESSAGE_MARGIN = 64 << 10
@@ -92,9 +94,9 @@ class Calls(Session):
             base_key = b""  # diagnostics only: drop rather than fail the batch
         return pb.BlockRef(key=key, group=group, base_key=base_key)
 
-    def release(self, lease_id: str) -> None:
-        """Release a lookup lease early (best effort; leases also expire on their own)."""
-        lease_ids = [lid for lid in lease_id.split(",") if lid]
+    def release(self, leases: Leases) -> None:
+        """Release lookup leases early (best effort; leases also expire on their own)."""
+        lease_ids = [lid for lid in leases if lid]
         if not lease_ids:
             return
         with self._lock:

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_client.calls import Calls
+from kvtag_client.calls import Calls, Leases
 from kvtag_client.get_decoding import Value, decode_get_response
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from kvtag_client.session import StoreState, _CallFailed
@@ -125,12 +125,12 @@ class InlineTransfer(Calls):
             base_key = b""
         return group, key, value, base_key
 
-    def _get_inline(self, blocks: Sequence[tuple[int, bytes]], lease_id: str) -> list[Value | None]:
+    def _get_inline(self, blocks: Sequence[tuple[int, bytes]], leases: Leases) -> list[Value | None]:
         """get() in gRPC messages (see StoreClient.get)."""
         values: list[Value | None] = [None] * len(blocks)
         if not blocks:
-            if lease_id:
-                self.release(lease_id)
+            if leases:
+                self.release(leases)
             return values
         estimate = self._value_bytes_estimate or max(1, self.limits.max_value_bytes)
         deadline = self._transfer_deadline(min(estimate, 1 << 20) * len(blocks))
@@ -138,7 +138,7 @@ class InlineTransfer(Calls):
         target = self._message_target(estimate * len(valid))
         per_message = max(1, min(self._batch_size(), target // (estimate + _ITEM_OVERHEAD)))
         chunks = [valid[i : i + per_message] for i in range(0, len(valid), per_message)]
-        single_lease = lease_id if len(chunks) == 1 else ""
+        single_lease = leases[0] if len(chunks) == 1 and len(leases) == 1 else ""
 
         def rpc(sid: str, timeout: float) -> None:
             requests = (
@@ -159,11 +159,11 @@ class InlineTransfer(Calls):
         try:
             if chunks:
                 self._call(deadline, rpc)
-            if lease_id and not single_lease:
-                self.release(lease_id)
+            if leases and not single_lease:
+                self.release(leases)
         except _CallFailed:
-            if lease_id:
-                self.release(lease_id)
+            if leases:
+                self.release(leases)
         with self._lock:
             self.counters.get_failed += sum(1 for v in values if v is None)
         return values

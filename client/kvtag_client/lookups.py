@@ -9,7 +9,7 @@ from operator import itemgetter
 
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_client.calls import Calls
+from kvtag_client.calls import Calls, Leases
 from kvtag_client.session import _CallFailed, _Deadline, log
 
 _HIT_BYTE = bytes([pb.HIT])
@@ -113,7 +113,7 @@ def _chunked(runs: Sequence[PackedKeys], limit: int) -> Iterator[tuple[int, list
 class LookupResult:
     prefix_length: int  # leading HIT count (0 when degraded)
     statuses: list[int]  # kvtag.v1.KeyStatus per block; UNSPECIFIED for blocks not asked
-    lease_id: str  # "" when nothing leased; several leases are joined by ","
+    leases: Leases  # () when nothing leased
 
 
 class Lookups(Calls):
@@ -134,7 +134,7 @@ class Lookups(Calls):
             self.counters.lookups += 1
         total = sum(run.count for run in runs)
         if not total:
-            return LookupResult(0, [], "")
+            return LookupResult(0, [], ())
         statuses = bytearray(total)  # KEY_STATUS_UNSPECIFIED until answered
         leases: list[str] = []
         deadline = _Deadline(self.rpc_timeout_s)
@@ -159,14 +159,14 @@ class Lookups(Calls):
                     break
         except _CallFailed:
             if leases:
-                self.release(",".join(leases))
-            return LookupResult(0, [int(pb.KEY_STATUS_UNSPECIFIED)] * total, "")
+                self.release(tuple(leases))
+            return LookupResult(0, [int(pb.KEY_STATUS_UNSPECIFIED)] * total, ())
         prefix = total - len(statuses.lstrip(_HIT_BYTE))
         with self._lock:
             self.counters.hit_blocks += statuses.count(pb.HIT)
             self.counters.miss_blocks += statuses.count(pb.MISS)
             self.counters.mode_mismatch_blocks += statuses.count(pb.MODE_MISMATCH)
-        return LookupResult(prefix, list(statuses), ",".join(leases))
+        return LookupResult(prefix, list(statuses), tuple(leases))
 
     def _sendable(self, run: PackedKeys) -> PackedKeys | None:
         """The run as sent: None when its keys are invalid; base keys that are not one valid length

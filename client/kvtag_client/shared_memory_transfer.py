@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_client.calls import Calls
+from kvtag_client.calls import Calls, Leases
 from kvtag_client.items import SizedItemFields
 from kvtag_client.session import _CallFailed, _Deadline
 from kvtag_client.shared_memory import ArenaMapping
@@ -122,19 +122,21 @@ class SharedMemoryTransfer(Calls):
         self,
         arena: ArenaMapping,
         blocks: Sequence[tuple[int, bytes]],
-        lease_id: str,
+        leases: Leases,
         sink: Callable[[int, memoryview], bool],
     ) -> list[bool]:
         """get_into() over the arena (see StoreClient.get_into)."""
         served = [False] * len(blocks)
         if not blocks:
-            if lease_id:
-                self.release(lease_id)
+            if leases:
+                self.release(leases)
             return served
         valid = [n for n, (_, key) in enumerate(blocks) if self._valid_key(key)]
         size = self._batch_size()
         chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
         deadline = _Deadline(self.rpc_timeout_s)
+        # One lease goes with the last message; several are released after it.
+        attached = leases[0] if len(leases) == 1 else ""
         try:
             for c, chunk in enumerate(chunks):
                 last = c == len(chunks) - 1
@@ -143,7 +145,7 @@ class SharedMemoryTransfer(Calls):
                 def rpc(
                     sid: str, timeout: float, refs: list[pb.BlockRef] = refs, last: bool = last
                 ) -> pb.GetReferencesResponse:
-                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=lease_id if last else "")
+                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=attached if last else "")
                     response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
                     return response
 
@@ -162,9 +164,11 @@ class SharedMemoryTransfer(Calls):
                 finally:
                     if response.lease.lease_id:
                         self._release_soon(response.lease.lease_id)
+            if len(leases) > 1:
+                self.release(leases)
         except _CallFailed:
-            if lease_id:
-                self.release(lease_id)
+            if leases:
+                self.release(leases)
         with self._lock:
             self.counters.get_failed += served.count(False)
         return served

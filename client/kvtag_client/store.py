@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvtag_client.calls import Leases
 from kvtag_client.get_decoding import Value
 from kvtag_client.inline_transfer import InlineTransfer
 from kvtag_client.items import PutItem, PutItemFields, SizedItem, SizedItemFields
@@ -20,6 +21,7 @@ from kvtag_client.shared_memory_transfer import SharedMemoryTransfer, SharedPut
 
 __all__ = [
     "ClientCounters",
+    "Leases",
     "LookupResult",
     "PackedKeys",
     "PutItem",
@@ -54,15 +56,15 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
             return self.put_from([(g, k, len(v), b) for g, k, v, b in items], copy)
         return self._put_inline(items)
 
-    def get(self, blocks: Sequence[tuple[int, bytes]], lease_id: str = "") -> list[Value | None]:
+    def get(self, blocks: Sequence[tuple[int, bytes]], leases: Leases = ()) -> list[Value | None]:
         """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded).
 
         A value is a read-only buffer (a view into the received message, see get_decoding): compare,
         len() and copy it like bytes; take bytes(value) to keep it beyond the caller's use.
 
         Get messages of ~_message_target bytes (by the largest value seen so far; the
-        server's largest value before any is seen) go several in flight; a lease is
-        released with the single message, or after all of them.
+        server's largest value before any is seen) go several in flight; a lookup's leases are
+        released with the single message (when there is one lease), or after all of them.
         """
         if blocks and self._shared_arena() is not None:
             copies: list[Value | None] = [None] * len(blocks)
@@ -71,9 +73,9 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
                 copies[index] = bytes(slot)
                 return True
 
-            served = self.get_into(blocks, lease_id, copy)
+            served = self.get_into(blocks, leases, copy)
             return [value if ok else None for value, ok in zip(copies, served, strict=True)]
-        return self._get_inline(blocks, lease_id)
+        return self._get_inline(blocks, leases)
 
     def put_from(
         self, items: Sequence[SizedItemFields], fill: Callable[[int, memoryview], None]
@@ -97,7 +99,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         return self.commit(reservation)
 
     def get_into(
-        self, blocks: Sequence[tuple[int, bytes]], lease_id: str, sink: Callable[[int, memoryview], bool]
+        self, blocks: Sequence[tuple[int, bytes]], leases: Leases, sink: Callable[[int, memoryview], bool]
     ) -> list[bool]:
         """Hand each served block's bytes to `sink(index, source)`, which copies them where they belong
         and returns False to reject them (e.g. the wrong size); True per block whose copy stands.
@@ -105,6 +107,6 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         copy from a slot reused meanwhile is voided (False); inline it is the received value."""
         arena = self._shared_arena()
         if arena is None:
-            values = self.get(blocks, lease_id)
+            values = self.get(blocks, leases)
             return [value is not None and sink(n, memoryview(value)) for n, value in enumerate(values)]
-        return self._get_shared(arena, blocks, lease_id, sink)
+        return self._get_shared(arena, blocks, leases, sink)

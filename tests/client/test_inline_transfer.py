@@ -32,7 +32,7 @@ def test_a_batch_of_many_messages_round_trips_byte_exact(
     missing = [(0, hashlib.sha256(b"absent%d" % i).digest()) for i in range(3)]
     wanted = [(g, k) for g, k, _, _ in items]
     asked = wanted[:5] + missing[:1] + wanted[5:17] + missing[1:] + wanted[17:]
-    got = client.get(asked, lease_id=lookup.lease_id)
+    got = client.get(asked, leases=lookup.leases)
     expected = [v for _, _, v, _ in items]
     assert got == [*expected[:5], None, *expected[5:17], None, None, *expected[17:]]
     with grpc.insecure_channel(own_store.endpoint) as channel:

@@ -80,8 +80,8 @@ def test_lookup_over_several_batches_stops_where_the_prefix_breaks(
     assert result.prefix_length == 17
     # Batches of 7: the third (keys 14..20) breaks the prefix, so keys 21.. are never asked.
     assert result.statuses == [pb.HIT] * 17 + [pb.MISS] * 4 + [pb.KEY_STATUS_UNSPECIFIED] * 9
-    assert len(result.lease_id.split(",")) == 3
-    assert client.get([(0, _key(i)) for i in range(17)], lease_id=result.lease_id) == [
+    assert len(result.leases) == 3
+    assert client.get([(0, _key(i)) for i in range(17)], leases=result.leases) == [
         b"v%d" % i for i in range(17)
     ]
 

@@ -62,7 +62,7 @@ def test_round_trip_is_byte_exact_for_every_size(
         copies[index] = bytes(slot)
         return True
 
-    assert client.get_into([(1, k) for _, k, _, _ in sized], "", sink) == [True] * len(sized)
+    assert client.get_into([(1, k) for _, k, _, _ in sized], (), sink) == [True] * len(sized)
     assert [copies[i] for i in range(len(SIZES))] == sources
     assert client.counters.put_stored == 2 * len(SIZES)
 
@@ -125,7 +125,7 @@ def test_a_reader_never_keeps_bytes_from_a_slot_reused_after_its_lease(
         copies.append(bytes(slot))
         return True
 
-    assert reader.get_into([(0, b"victim")], "", slow_sink) == [False]
+    assert reader.get_into([(0, b"victim")], (), slow_sink) == [False]
     assert copies and copies[0] != original  # the slot really was reused under the reader
     assert reader.get([(0, b"victim")]) == [None]
 

@@ -49,14 +49,14 @@ def test_open_put_lookup_get_round_trip(shared_store: StoreProcess, make_client:
     items = _values(blocks)
 
     before = client.lookup(blocks)
-    assert (before.prefix_length, set(before.statuses), before.lease_id) == (0, {pb.MISS}, "")
+    assert (before.prefix_length, set(before.statuses), before.leases) == (0, {pb.MISS}, ())
     assert client.put(items) == [pb.STORED] * len(items)
     assert client.put(items[:2]) == [pb.ALREADY_PRESENT] * 2
 
     hit = client.lookup(blocks, lease_ms=5000)
     assert hit.prefix_length == len(blocks)
-    assert hit.lease_id
-    assert client.get([(g, k) for g, k, _ in blocks], lease_id=hit.lease_id) == [v for _, _, v, _ in items]
+    assert hit.leases
+    assert client.get([(g, k) for g, k, _ in blocks], leases=hit.leases) == [v for _, _, v, _ in items]
 
     counters = client.counters.snapshot()
     assert counters["put_stored"] == len(items) and counters["put_present"] == 2
@@ -74,7 +74,7 @@ def test_lookup_prefix_stops_at_first_miss(shared_store: StoreProcess, make_clie
     assert result.prefix_length == 1
     assert result.statuses == [pb.HIT, pb.MISS, pb.HIT]
     assert client.get([(0, blocks[1][1]), (0, blocks[2][1])]) == [None, items[2][2]]
-    client.release(result.lease_id)
+    client.release(result.leases)
 
 
 def test_other_mode_gets_mode_mismatch_and_never_bytes(
@@ -124,7 +124,7 @@ def test_strict_store_refuses_second_mode_with_field_diff_and_client_runs_withou
     assert second.lookup(blocks).prefix_length == 0
     assert second.put(_values(blocks)) is None
     assert second.get([(0, blocks[0][1])]) == [None]
-    second.release("l-unknown")
+    second.release(("l-unknown",))
     counters = second.counters.snapshot()
     assert counters["put_dropped"] == len(blocks) and counters["degraded_calls"] == 3
     assert first.put(_values(blocks)[:1]) == [pb.STORED]  # the established engine is unaffected

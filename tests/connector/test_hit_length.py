@@ -77,7 +77,7 @@ def test_reported_hit_is_what_the_real_scheduler_schedules(
     assert reader.step_log[-1]["meta"].loads[0].req_id == "r"
     load = reader.step_log[-1]["meta"].loads[0]
     assert len(load.blocks) == 3  # one store value per block: target and drafter layers together
-    assert load.lease_id, "the lookup lease travels with the load"
+    assert load.leases, "the lookup lease travels with the load"
 
 
 def saved_block_indices(engine: Engine, req_id: str, finish: bool | None = None) -> list[int]:

@@ -181,8 +181,8 @@ def _inject_state_fault(llm: Any, fault: str) -> None:
     assert state_groups, "a Mamba-state fault needs a hybrid model"
     real_get, real_get_into = StoreClient.get, StoreClient.get_into
 
-    def get(self: Any, blocks: Any, lease_id: str = "") -> list[Value | None]:
-        values: list[Value | None] = real_get(self, blocks, lease_id)
+    def get(self: Any, blocks: Any, leases: tuple[str, ...] = ()) -> list[Value | None]:
+        values: list[Value | None] = real_get(self, blocks, leases)
         for n, (group, _key) in enumerate(blocks):
             value = values[n]
             if group in state_groups and value is not None:
@@ -190,14 +190,14 @@ def _inject_state_fault(llm: Any, fault: str) -> None:
         return values
 
     def get_into(
-        self: Any, blocks: Any, lease_id: str, sink: Callable[[int, memoryview], bool]
+        self: Any, blocks: Any, leases: tuple[str, ...], sink: Callable[[int, memoryview], bool]
     ) -> list[bool]:
         def faulty_sink(n: int, source: memoryview) -> bool:
             if blocks[n][0] not in state_groups:
                 return sink(n, source)
             return fault == "zero" and sink(n, memoryview(bytes(source.nbytes)))
 
-        served: list[bool] = real_get_into(self, blocks, lease_id, faulty_sink)
+        served: list[bool] = real_get_into(self, blocks, leases, faulty_sink)
         return served
 
     StoreClient.get = get  # type: ignore[method-assign]

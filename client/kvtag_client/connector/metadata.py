@@ -23,7 +23,7 @@ class LoadJob:
 
     req_id: str
     blocks: list[BlockTransfer]
-    lease_id: str = ""
+    leases: tuple[str, ...] = ()  # the lookup's read leases on these blocks
     # Asynchronous load (hybrid models): the worker reports the request in finished_recving, or in
     # failed_recving when a block could not be loaded, because vLLM cannot map per-block load errors
     # back to requests when there are several KV cache groups.

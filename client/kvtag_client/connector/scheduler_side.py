@@ -87,16 +87,16 @@ class SchedulerSide:
         self._drop_plan(tracked)
         hit = self._lookup(keys, start, end)
         if hit.num_blocks == 0:
-            if hit.lease_id:
-                self.client.release(hit.lease_id)
+            if hit.leases:
+                self.client.release(hit.leases)
             return 0
-        tracked.plan = LoadPlan(start, hit.num_blocks, hit.lease_id, query)
+        tracked.plan = LoadPlan(start, hit.num_blocks, hit.leases, query)
         return hit.num_blocks * block
 
     @dataclass
     class _Hit:
         num_blocks: int
-        lease_id: str
+        leases: tuple[str, ...]
 
     def _lookup(self, keys: RequestKeys, start: int, end: int) -> SchedulerSide._Hit:
         """One Lookup of the KV group's keys, then each state group's, in the packed form: this runs
@@ -117,7 +117,7 @@ class SchedulerSide:
         if len(statuses) != len(groups) * (
             end - start
         ):  # never from StoreClient; a degraded lookup is all misses
-            return self._Hit(0, result.lease_id)
+            return self._Hit(0, result.leases)
         count = end - start
         kv_hits = min(result.prefix_length, count)
         if self.lookahead == 0 and self.eagle_block_drop:
@@ -135,11 +135,11 @@ class SchedulerSide:
                     break
         self.stats.add("hit_blocks", usable)
         self.stats.add("miss_blocks", count - usable)
-        return self._Hit(usable, result.lease_id)
+        return self._Hit(usable, result.leases)
 
     def _drop_plan(self, tracked: RequestState) -> None:
-        if tracked.plan is not None and tracked.plan.lease_id and not tracked.load_confirmed:
-            self.client.release(tracked.plan.lease_id)
+        if tracked.plan is not None and tracked.plan.leases and not tracked.load_confirmed:
+            self.client.release(tracked.plan.leases)
         tracked.plan = None
         tracked.load_confirmed = False
 
@@ -231,7 +231,7 @@ class SchedulerSide:
             # The state after the hit's last block goes in the slot for that boundary.
             transfers.append(BlockTransfer(group, block_ids[group][last], keys.key(last)))
         tracked.state_stored.add(last)
-        return LoadJob(req_id, transfers, plan.lease_id)
+        return LoadJob(req_id, transfers, plan.leases)
 
     # ---- finish --------------------------------------------------------------------------------
 

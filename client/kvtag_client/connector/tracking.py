@@ -112,7 +112,7 @@ class LoadPlan:
 
     start_block: int
     num_blocks: int
-    lease_id: str
+    leases: tuple[str, ...]
     # (start_block, keyed blocks) the plan was computed for: repeat queries reuse it.
     query: tuple[int, int]
 

@@ -63,7 +63,7 @@ class WorkerSide:
             if not job.after_forward:
                 self._save(job)
         for load in meta.loads:
-            failed = self._load(load.req_id, load.blocks, load.lease_id)
+            failed = self._load(load.req_id, load.blocks, load.leases)
             with self._lock:
                 if load.asynchronous:
                     (self._failed_recving if failed else self._finished_recving).add(load.req_id)
@@ -117,7 +117,7 @@ class WorkerSide:
                 gather_into(self._views[transfer.group], transfer.block_id, slot)
         self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
 
-    def _load(self, req_id: str, transfers: list[BlockTransfer], lease_id: str) -> set[int]:
+    def _load(self, req_id: str, transfers: list[BlockTransfer], leases: tuple[str, ...]) -> set[int]:
         """Scatter stored blocks into their engine blocks; returns the block ids that failed."""
         client = self._client()
         blocks = [(t.group, t.key) for t in transfers]
@@ -129,9 +129,9 @@ class WorkerSide:
                 views = self._views[transfer.group] if transfer.group < len(self._views) else []
                 return bool(views) and scatter_from(views, transfer.block_id, source)
 
-            loaded = client.get_into(blocks, lease_id, sink)
+            loaded = client.get_into(blocks, leases, sink)
         else:
-            values = client.get(blocks, lease_id)
+            values = client.get(blocks, leases)
             for index, transfer in enumerate(transfers):
                 value = values[index] if index < len(values) else None
                 views = self._views[transfer.group] if transfer.group < len(self._views) else []
