@@ -262,7 +262,7 @@ def test_an_inline_get_serves_from_pinned_slots_and_leaves_nothing_pinned(make_s
     answer nothing stays pinned, so the blocks are evictable again, and the bytes are exact."""
     store = make_store(capacity=2 * BLOCK)
     session = store.open().session_id
-    values = {b"k1": bytes(range(256)) * 4, b"k2": bytes(reversed(range(256))) * 4}
+    values = {b"k1": bytes(range(256)) * 3, b"k2": bytes(reversed(range(256))) * 3}  # 768 B each
     store.put(session, *values.items())
     results = store.get(session, b"k1", b"k2", b"kx")
     assert [(r.status, r.value) for r in results] == [
