@@ -132,7 +132,10 @@ class Session:
         self._data_path_choice = data_path
         self._arena: ArenaMapping | None = None
         self._shm_logged = False
-        self._releases: set[grpc.Future] = set()
+        # Shared-memory read leases waiting for the releaser thread (shared_memory_transfer).
+        self._pending_releases: list[str] = []
+        self._release_wake = threading.Event()
+        self._releaser: threading.Thread | None = None
         self.endpoint = endpoint
         self.engine_id = engine_id
         self.namespace = namespace

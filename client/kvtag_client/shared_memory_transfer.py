@@ -3,10 +3,10 @@ messages carry only slot references."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls, Leases
@@ -174,17 +174,22 @@ class SharedMemoryTransfer(Calls):
         return served
 
     def _release_soon(self, lease_id: str) -> None:
-        """Release a read lease without waiting for the answer (it only unpins; leases also expire)."""
+        """Release a read lease without waiting: one long-lived thread sends the pending ids in batches
+        (a grpc future per release would start a polling thread each time: ~ms per Get here)."""
         with self._lock:
-            session_id = self.session_id
-        future = self._stub.ReleaseLeases.future(
-            pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=[lease_id]), timeout=self.rpc_timeout_s
-        )
-        # A dropped grpc future cancels its call: keep it until done.
-        with self._lock:
-            self._releases.add(future)
-        future.add_done_callback(self._released)
+            self._pending_releases.append(lease_id)
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_forever, name="kvtag-release", daemon=True
+                )
+                self._releaser.start()
+        self._release_wake.set()
 
-    def _released(self, future: grpc.Future) -> None:
-        with self._lock:
-            self._releases.discard(future)
+    def _release_forever(self) -> None:
+        while not self._closed.is_set():
+            self._release_wake.wait(1.0)
+            self._release_wake.clear()
+            with self._lock:
+                lease_ids, self._pending_releases = tuple(self._pending_releases), []
+            if lease_ids:
+                self.release(lease_ids)  # best effort: leases also expire, and die with the session

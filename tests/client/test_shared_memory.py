@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -276,6 +277,22 @@ def test_the_client_maps_what_the_service_prefaulted_before_any_put(
     arena = client._shared_arena()
     assert arena is not None
     path = next(str(p) for p in Path("/dev/shm").glob(f"*{arena.segment}*"))
-    faulted = lambda: int.from_bytes(arena.view[32:40], "little")  # noqa: E731
-    wait_until(lambda: faulted() >= 32 << 20, 30, "the service's eager prefault")
+    view = arena.view
+    wait_until(lambda: int.from_bytes(view[32:40], "little") >= 32 << 20, 30, "the service's prefault")
     wait_until(lambda: _resident(path) >= 32 << 20, 30, "the client's mapping of the prefaulted pages")
+
+
+def test_read_leases_are_released_soon_after_each_get_without_waiting_for_expiry(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """GetReferences pins the hits under a lease the client releases in the background (one releaser
+    thread, batched): many gets leave nothing pinned long before the 60 s lease would expire."""
+    store = start_store("--lease-ms", "60000")
+    client = _shm_client(make_client, store.endpoint, tenant="release")
+    items = [(0, f"r-{n}".encode(), os.urandom(4096), b"") for n in range(32)]
+    assert client.put(items) == [pb.STORED] * len(items)
+    for _ in range(20):
+        assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
+    wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 10, "the background releases")
+    releasers = [t for t in threading.enumerate() if t.name == "kvtag-release"]
+    assert len(releasers) <= 1, "one releaser thread per client, not one per release"

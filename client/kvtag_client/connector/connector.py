@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtag.connector")
 
 
-class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped here
+class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # Any without vLLM installed
     """Stores and loads KV blocks (and Mamba boundary states) through a kvtag service."""
 
     supports_lookahead_block_hashes = True

@@ -51,7 +51,7 @@ class SaveJob:
 
 
 @dataclass
-class KvtagConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped here
+class KvtagConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]  # Any without vLLM installed
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
 
