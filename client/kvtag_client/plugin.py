@@ -7,8 +7,6 @@ CONNECTOR_NAME = "KvtagConnector"
 
 def register() -> None:
     """Entry point `vllm.general_plugins: kvtag`; idempotent (vLLM loads plugins in every process)."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from kvtag_client.connector import compat
 
-    if CONNECTOR_NAME in KVConnectorFactory._registry:
-        return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvtag_client.connector", "KvtagConnector")
+    compat.register_connector(CONNECTOR_NAME, "kvtag_client.connector", "KvtagConnector")

@@ -43,6 +43,16 @@ def check_supported(version: str | None = None) -> str:
     return found
 
 
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a connector class with vLLM's factory by name, once per process: 0.32's
+    register_connector raises for a known name and only its private `_registry` tells."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
 def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
     """Mamba align-mode boundary states the core hands off this step (read inside build_connector_meta).
 
