@@ -55,6 +55,7 @@ from kvtag_client import keys as kvkeys
 from kvtag_client.store import PackedKeys, StoreClient
 from provenance import git_describe
 
+from tests.descriptors import namespace
 from tests.net import free_port
 
 KiB, MiB, GB = 1024, 1024 * 1024, 1e9
@@ -163,18 +164,6 @@ def block_key(tag: str, index: int) -> bytes:
     return hashlib.sha256(f"{tag}/{index}".encode()).digest()[:KEY_BYTES]
 
 
-def namespace(tenant: str) -> pb.NamespaceDescriptor:
-    return pb.NamespaceDescriptor(
-        model_name="bench",
-        weights_fingerprint="sha256:bench",
-        kv_dtype="bfloat16",
-        kv_layout="bench",
-        block_size=16,
-        parallel_sharding="tp=1/rank=0",
-        tenant=tenant,
-    )
-
-
 # Every client of the run is an engine of one tenant, so all values share that tenant's arena: the one
 # the store prefaults up front (a deployment's tenants each get an arena; the first one of a pool is
 # prefaulted to the pool's capacity).
@@ -191,7 +180,7 @@ def make_client(endpoint: str, engine: str, data_path: str) -> StoreClient | Non
     client = StoreClient(
         endpoint,
         engine_id=f"bench-{engine}",
-        namespace=namespace(TENANT),
+        namespace=namespace("bench", TENANT),
         mode=kvkeys.mode(16, 0),
         probe_keys=kvkeys.probe_keys(16, 0),
         rpc_timeout_s=30.0,
