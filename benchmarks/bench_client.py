@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from bench_service import Server, start_server, wait_ready
+from bench_processes import Server, start_server, wait_ready
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys as kvkeys
 from kvtag_client.store import PackedKeys, StoreClient

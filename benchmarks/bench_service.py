@@ -32,26 +32,25 @@ import os
 import platform
 import resource
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+from bench_processes import ECHO_SERVICE, Server, channel_options, serve_bytes, start_server, wait_ready
 from google.protobuf.internal import api_implementation
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from provenance import git_describe
+from server_profile import find_py_spy, profile_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.descriptors import mode, namespace
@@ -66,124 +65,7 @@ KEY_BYTES = 32
 # Largest RPC payload the benchmark sends in one message, below the server limit (framing headroom).
 TARGET_BATCH_BYTES = 8 * MiB
 MESSAGE_HEADROOM = 64 * KiB
-ECHO_SERVICE = "kvtagbench.Bytes"
 TARGETS = {"put_1MiB_GBps": 1.5, "get_1MiB_GBps": 1.5, "lookup_p50_ms": 2.0}
-
-
-# ---- the reference gRPC bytes server (runs as a subprocess of this script) ----------------------
-
-
-def serve_bytes(listen: str, workers: int, max_message_bytes: int) -> None:
-    """A plain gRPC service with no protobuf: raw bytes handlers on the kvtag server's thread-pool model."""
-    blobs: dict[int, bytes] = {}
-
-    def echo(request: bytes, context: Any) -> bytes:
-        return request
-
-    def upload(request: bytes, context: Any) -> bytes:
-        return b""
-
-    def download(request: bytes, context: Any) -> bytes:
-        size = int(request)
-        blob = blobs.get(size)
-        if blob is None:  # first call per size builds it; the benchmark warms every size up first
-            blob = blobs[size] = os.urandom(size)
-        return blob
-
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(fn)
-        for name, fn in (("Echo", echo), ("Upload", upload), ("Download", download))
-    }
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers),
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, handlers),))
-    server.add_insecure_port(listen)
-    server.start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=1).wait()
-
-
-# ---- subprocess plumbing --------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    """A server subprocess with its log, address and CPU-time reader."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    address: str
-    log_path: Path
-
-    def cpu_and_faults(self) -> tuple[float, int]:
-        """utime + stime of the server process, all threads (10 ms ticks), and its minor page faults."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK"), int(fields[7])
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@contextlib.contextmanager
-def start_server(
-    name: str, argv: Sequence[str], port: int, log_dir: Path, env: dict[str, str] | None = None
-) -> Iterator[Server]:
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            list(argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    server = Server(name, proc, f"127.0.0.1:{port}", log_path)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def wait_ready(server: Server, channel: grpc.Channel, timeout: float = 30.0) -> None:
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-    except grpc.FutureTimeoutError:
-        raise SystemExit(
-            f"{server.name} did not start within {timeout:.0f} s:\n{server.log_tail()}"
-        ) from None
-    if server.proc.poll() is not None:
-        raise SystemExit(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 # ---- measurements ---------------------------------------------------------------------------------
@@ -534,124 +416,6 @@ def latency_summary(seconds: Sequence[float], per_repeat: Sequence[Sequence[floa
         "max_ms": round(max(ms), 3),
         "count": len(ms),
         "p50_ms_per_repeat": [round(p, 3) for p in p50s],
-    }
-
-
-# ---- profiling ------------------------------------------------------------------------------------
-
-
-def find_py_spy(explicit: str | None) -> str | None:
-    if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
-
-
-def profile_server(
-    py_spy: str, server: Server, work: Callable[[], None], seconds: float, raw: Path
-) -> dict[str, Any]:
-    """Sample every server thread (Python and native frames) while `work` runs; rank busy time."""
-    sampler = subprocess.Popen(
-        [py_spy, "record", "--pid", str(server.proc.pid), "--native", "--rate", "200", "--format", "raw",
-         "--duration", str(max(1, round(seconds))), "--output", str(raw)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    time.sleep(0.5)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and sampler.poll() is None:
-        work()
-    _, err = sampler.communicate(timeout=60)
-    if not raw.exists():
-        return {"error": err.decode(errors="replace")[-2000:]}
-    return summarize_stacks(raw.read_text().splitlines())
-
-
-# Stacks whose thread is waiting, not working: pool workers waiting for a call or for the request bytes,
-# the main thread, the session reaper, the completion-queue poller when it sleeps.
-IDLE_MARKERS = (
-    "_queue_SimpleQueue_get",
-    "Event.wait",
-    "Condition.wait",
-    "epoll_wait",
-    "_reap_forever",
-    "pthread_cond_timedwait",
-)
-# The first named frame from the leaf decides the cost bucket (unnamed libc addresses are memcpy,
-# malloc or a page fault inside them, attributed to whoever called them).
-BUCKETS = (
-    (("upb_Encode", "upb_Encoder", "encode_scalar", "encode_message", "encode_array", "encode_growbuffer"),
-     "protobuf serialize"),
-    (("upb_BackAlloc", "SerializeInternal"), "protobuf serialize"),
-    (("upb_Decode", "_upb_Decoder", "PyUpb_Message_MergeFromString"), "protobuf parse"),
-    (("PyUpb", "upb_"), "protobuf message build / field access"),
-    (("crc32", "libz.so"), "checksum (zlib.crc32)"),
-    (("cygrpc", "libgrpc"), "gRPC core + Cython binding"),
-    (("libpython", "python3", "Py", "_Py"), "CPython interpreter"),
-)  # fmt: skip
-
-
-def frame_name(frame: str) -> str:
-    """ "func (file:line)" -> "func"; an unsymbolized "0x7f.. (lib.so)" -> "lib.so"."""
-    name, _, where = frame.partition(" (")
-    return where.rstrip(")").rsplit("/", 1)[-1] if name.startswith("0x") else name
-
-
-def deciding_frame(stack: Sequence[str]) -> str:
-    """The innermost frame that says whose cost a sample is. Unsymbolized libc frames (memcpy, malloc,
-    and the page faults inside them) are charged to their caller; other unsymbolized frames are charged
-    to their library (gRPC's Cython module ships without symbols)."""
-    for frame in reversed(stack):
-        if frame.startswith("0x") and "(libc.so" in frame:
-            continue
-        return frame
-    return stack[-1] if stack else "?"
-
-
-def classify(stack: Sequence[str]) -> str:
-    """A cost bucket for one busy py-spy --native stack (leaf last)."""
-    frame = deciding_frame(stack)
-    if ".py:" in frame:
-        if "kvtag_store/" in frame:
-            return "kvtag_store Python code"
-        return "grpc Python server code" if "grpc/" in frame else "other Python: " + frame_name(frame)
-    for markers, bucket in BUCKETS:
-        if any(m in frame for m in markers):
-            return bucket
-    return "other: " + frame_name(frame)
-
-
-def summarize_stacks(lines: Sequence[str]) -> dict[str, Any]:
-    buckets: collections.Counter[str] = collections.Counter()
-    paths: collections.Counter[str] = collections.Counter()
-    total = busy = 0
-    for line in lines:
-        stack_text, _, count_text = line.rpartition(" ")
-        if not stack_text or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        stack = stack_text.split(";")
-        total += count
-        if any(marker in frame for frame in stack for marker in IDLE_MARKERS):
-            continue
-        busy += count
-        buckets[classify(stack)] += count
-        # The innermost Python frame and the innermost named native frame: "who asked, what ran".
-        python = next((f for f in reversed(stack) if ".py:" in f), "?")
-        decider = deciding_frame(stack)
-        paths[f"{python.split(' (')[0]} ({python.rsplit('/', 1)[-1]} -> {frame_name(decider)}"] += count
-    if not busy:
-        return {"samples": total, "busy_samples": 0}
-
-    def pct(n: int) -> float:
-        return round(100 * n / busy, 1)
-
-    return {
-        "samples": total,
-        "busy_samples": busy,
-        "note": "percent of busy samples (threads not waiting); unsymbolized libc frames (memcpy, malloc, "
-        "page faults in them) count toward their caller; py-spy cannot see gRPC's C-core threads",
-        "busy_by_bucket_pct": {k: pct(v) for k, v in buckets.most_common()},
-        "top_paths_pct": {k: pct(v) for k, v in paths.most_common(15)},
     }
 
 
