@@ -1,5 +1,5 @@
-"""The cluster harness's retry of a storage node that never mounts (issue 15 item 5: about one start
-in 25 loops on "Client not available"). The fault is injected in what the harness sees: the master's
+"""The cluster harness's retry of a storage node that never mounts (seen in about one start in 25:
+it loops on "Client not available"). The fault is injected in what the harness sees: the master's
 capacity does not grow for the first process, which must be killed and replaced on a fresh port."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def test_unknown_config_key_is_refused(tmp_path: Path) -> None:
     [("64MiB", 64 << 20), ("64MB", 64_000_000), ("1GiB", 1 << 30), ("4TiB", 4 << 40), ("4096", 4096)],
 )
 def test_sizes_parse_like_the_service_flags(text: str, size: int) -> None:
-    """One parser for every size (issue 10 finding 6): MB is decimal, MiB binary, here as in --capacity."""
+    """One parser for every size: MB is decimal, MiB binary, here as in --capacity."""
     assert mooncake_options.parse_size(text) == size == config.parse_size(text)
 
 

@@ -191,7 +191,7 @@ def test_serving_line_is_logged_even_at_warning_level() -> None:
 
 
 def _bad_put_streams(address: str, count: int) -> list[grpc.Future]:
-    """PutStreams whose second message does not parse and that never half-close (issue 10 finding 2)."""
+    """PutStreams whose second message does not parse and that never half-close."""
     channel = grpc.insecure_channel(address)
     call = channel.stream_unary("/kvtag.v1.KvStore/PutStream")
     good = pb.PutRequest(items=[pb.PutItem(block=pb.BlockRef(key=b"k"), value=b"v")]).SerializeToString()

@@ -1,4 +1,4 @@
-"""Issue 10 regressions against a real server on loopback: malformed bytes, admission, value limits,
+"""Hardening regressions against a real server on loopback: malformed bytes, admission, value limits,
 PutStream partial results."""
 
 from __future__ import annotations
