@@ -3,9 +3,9 @@ process: the worst requests from several threads at once, the server's peak RSS 
 
 Worst requests: batches just under the message limit that are refused by count (millions of tiny
 items: before requests were counted ahead of parsing, one Lookup of 10 million 2-byte keys raised RSS
-by ~1.4 GiB before it was refused), and the largest requests that are admitted (a full batch of the longest keys, a Put of
-values filling a message, a Get whose reply fills a message), which the admission limit
-(--max-inflight-bytes) serves or turns away busy.
+by ~1.4 GiB before it was refused), and the largest requests that are admitted (a full batch of the
+longest keys, a Put of values filling a message, a Get whose reply fills a message), which the
+admission limit (--max-inflight-bytes) serves or turns away busy.
 """
 
 from __future__ import annotations
