@@ -20,8 +20,9 @@ _MISS_BYTE = bytes([pb.MISS])
 class PackedKeys:
     """A run of block keys of one length in one group, concatenated: Lookup's packed form.
 
-    Why: building a BlockRef message per key cost ~14 ms of a 4,096-key lookup; a run is
-    one message whatever its length, and the server cuts it in one C call.
+    Why: a BlockRef message per key was most of a long lookup's client time (docs/benchmarks.md,
+    "Figures behind choices in the code"); a run is one message whatever its length, and the server
+    cuts it in one C call.
     """
 
     group: int

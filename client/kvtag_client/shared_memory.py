@@ -23,7 +23,8 @@ _GENERATION = struct.Struct("<Q")
 # mapping them whole here never allocates memory the service did not.
 _EXTENT = 2 << 20
 # madvise(MADV_POPULATE_WRITE): map a range's pages in one call instead of a fault per 4 KiB page
-# (a first touch costs ~1 GB/s, a mapped page ~7). Linux 5.14; older kernels fault page by page.
+# (figures: docs/benchmarks.md, "Figures behind choices in the code"). Linux 5.14; older kernels
+# fault page by page.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Values start after a 64-byte slot header; nothing a reference names lies below this.
 _FIRST_VALUE = 4096 + 64
