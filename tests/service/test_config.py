@@ -61,10 +61,12 @@ def test_namespace_policy_needs_an_id_and_a_known_policy() -> None:
 
 def test_mooncake_flags_default_to_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     """Defaults are written once, in MooncakeSettings: with no flag, variable or config file for them,
-    `serve --backend mooncake` runs on exactly the dataclass's defaults."""
+    `serve --backend mooncake` runs on exactly the dataclass's defaults (the arena directory is the
+    service's own --shm-dir, emptied here)."""
     for name in [n for n in os.environ if n.startswith("KVTAG_MOONCAKE_")]:
         monkeypatch.delenv(name)
-    args = build_parser().parse_args(["serve", "--backend", "mooncake", "--mooncake-master", "10.0.0.1:1"])
+    argv = ["serve", "--backend", "mooncake", "--mooncake-master", "10.0.0.1:1", "--shm-dir", ""]
+    args = build_parser().parse_args(argv)
     assert mooncake_options.settings_from(args) == MooncakeSettings(
         master="10.0.0.1:1", metrics="10.0.0.1:9003"
     )
