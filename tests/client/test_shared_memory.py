@@ -296,3 +296,21 @@ def test_read_leases_are_released_soon_after_each_get_without_waiting_for_expiry
     wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 10, "the background releases")
     releasers = [t for t in threading.enumerate() if t.name == "kvtag-release"]
     assert len(releasers) <= 1, "one releaser thread per client, not one per release"
+
+
+def test_a_large_mixed_put_keeps_every_result_in_its_place(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    """A 9 MiB put holding an already stored block and an unsendable one: results per item, in order,
+    counted once, and every byte exact."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant="pipelined")
+    items = [(0, f"big-{n}".encode(), os.urandom((1 << 20) + n), b"") for n in range(9)]
+    assert client.put([items[4]]) == [pb.STORED]
+    before = client.counters.put_stored
+    batch = [*items[:7], (0, b"", b"no key", b""), *items[7:]]
+    statuses = client.put(batch)
+    assert (
+        statuses == [pb.STORED] * 4 + [pb.ALREADY_PRESENT] + [pb.STORED] * 2 + [pb.REJECTED] + [pb.STORED] * 2
+    )
+    assert client.counters.put_stored - before == 8
+    assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
