@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
+from kvtag.v1 import store_pb2_grpc
 from kvtag_client.lookups import _chunked
 from kvtag_client.store import PackedKeys, pack_blocks
 
+from tests.net import wait_until
 from tests.store_process import StoreProcess
 
 from .conftest import ClientFactory, StoreFactory
@@ -84,6 +87,31 @@ def test_lookup_over_several_batches_stops_where_the_prefix_breaks(
     assert client.get([(0, _key(i)) for i in range(17)], leases=result.leases) == [
         b"v%d" % i for i in range(17)
     ]
+
+
+@pytest.mark.parametrize("data_path", ["inline", "auto"])
+def test_a_get_releases_every_lease_of_a_lookup_over_several_batches(
+    small_batch_store: StoreProcess, make_client: ClientFactory, data_path: str
+) -> None:
+    """A lookup over three Lookup messages holds three leases; the Get that reads its hits releases
+    all of them (on either data path), so nothing stays pinned until the 60 s leases expire."""
+    client = make_client(small_batch_store.endpoint, tenant=f"leases-{data_path}", data_path=data_path)
+    assert client.open()
+    assert client.put([(0, _key(i), b"v%d" % i, b"") for i in range(17)]) == [pb.STORED] * 17
+    result = client.lookup([(0, _key(i), b"") for i in range(17)], lease_ms=60000)
+    assert result.prefix_length == 17 and len(result.leases) == 3
+    assert _leased_keys(small_batch_store.endpoint) == 17
+    assert client.get([(0, _key(i)) for i in range(17)], leases=result.leases) == [
+        b"v%d" % i for i in range(17)
+    ]
+    wait_until(lambda: _leased_keys(small_batch_store.endpoint) == 0, 5, "every lookup lease released")
+
+
+def _leased_keys(endpoint: str) -> int:
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        response: pb.GetStatsResponse = stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        return int(response.leased_keys)
 
 
 def test_hybrid_runs_and_invalid_keys_get_their_own_statuses(
