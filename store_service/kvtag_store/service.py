@@ -310,8 +310,12 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     ) -> pb.ReserveSlotsResponse:
         session = self._session(request.session_id, context, "ReserveSlots")
         validation.batch_size("items", len(request.items), self.limits)
-        for index, item in enumerate(request.items):
-            validation.key(item.block.key, f"items[{index}].block.key", self.limits)
+        # Each item's fields read once (every access to a upb sub-message builds a wrapper).
+        items = [
+            (item.block.group, item.block.key, item.block.base_key, item.length) for item in request.items
+        ]
+        for index, (_, key, _, _) in enumerate(items):
+            validation.key(key, f"items[{index}].block.key", self.limits)
         response = pb.ReserveSlotsResponse()
         if not session.shared_memory or self.arenas is None:
             response.grants.extend(
@@ -319,25 +323,15 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             )
             return response
         # The same per-item limit as an inline Put, so both paths give the same results.
-        fits = [n for n, item in enumerate(request.items) if item.length <= self.max_value_bytes]
+        limit = self.max_value_bytes
         reserved = iter(
             self.arenas.reserve(
                 session.namespace_id,
                 session.mode_id,
-                [
-                    (
-                        (request.items[n].block.group, BlockKey(request.items[n].block.key)),
-                        request.items[n].length,
-                    )
-                    for n in fits
-                ],
+                [((group, BlockKey(key)), length) for group, key, _, length in items if length <= limit],
             )
         )
-        allowed = set(fits)
-        granted = [
-            next(reserved) if n in allowed else self._too_large(item.length)
-            for n, item in enumerate(request.items)
-        ]
+        granted = [next(reserved) if length <= limit else self._too_large(length) for *_, length in items]
         self.sessions.add_reservations(
             session, [g.generation for g in granted if not isinstance(g, PutResult)]
         )
@@ -347,10 +341,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if known:
             self._tally_puts(session, known, 0)
         base_keys = [
-            (item.block.group, item.block.base_key)
-            for item, grant in zip(request.items, granted, strict=True)
-            if item.block.base_key
-            and (not isinstance(grant, PutResult) or grant.outcome is PutOutcome.ALREADY_PRESENT)
+            (group, base_key)
+            for (group, _, base_key, _), grant in zip(items, granted, strict=True)
+            if base_key and (not isinstance(grant, PutResult) or grant.outcome is PutOutcome.ALREADY_PRESENT)
         ]
         if base_keys:
             self.base_index.record(session.namespace_id, session.mode_id, base_keys)
