@@ -85,6 +85,10 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.config.save_batch_blocks,
                 self.config.audit,
             )
+        # Open the session at engine start, not at the first request, so a refusal or MODE_SPLIT
+        # warning is logged and `diagnose` lists the engine before any traffic. Bounded by
+        # rpc_timeout_ms; an unreachable store is logged and the engine starts degraded.
+        self.client()
 
     # ---- mode ----------------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         )
 
     def client(self) -> StoreClient:
-        """The store client of this role, opened on first use."""
+        """The store client of this role (opened at construction; again after a session reset)."""
         if self._client is None:
             self._client = open_client(
                 self.config,
