@@ -70,6 +70,8 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
             )
         self.stats = StatsRecorder()
         self._client: StoreClient | None = None
+        # Scheduler only: sessions in TP ranks 1..N-1's namespaces, to look up every rank's shard.
+        self._peers: list[StoreClient] = []
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reported_degraded = 0
@@ -84,6 +86,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.config.max_pending_save_bytes,
                 self.config.save_batch_blocks,
                 self.config.audit,
+                tp_rank=namespace.worker_tp_rank(),
             )
         # Open the session at engine start, not at the first request, so a refusal or MODE_SPLIT
         # warning is logged and `diagnose` lists the engine before any traffic. Bounded by
@@ -110,20 +113,16 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
             self._scheduler.close()
             self._scheduler = None
         self._count_degraded_calls()
-        if self._client is not None:
-            self._client.close()
+        for client in self._clients():
+            client.close()
         self._client = None
+        self._peers = []
         self._reported_degraded = 0
 
-    def namespace_descriptor(self) -> pb.NamespaceDescriptor:
-        tp_rank = 0
-        if self.role == KVConnectorRole.WORKER:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                tp_rank = int(get_tensor_model_parallel_rank())
-            except Exception:
-                tp_rank = 0
+    def namespace_descriptor(self, tp_rank: int | None = None) -> pb.NamespaceDescriptor:
+        """The namespace of `tp_rank`'s KV shard; by default this worker's rank (the scheduler's: 0)."""
+        if tp_rank is None:
+            tp_rank = namespace.worker_tp_rank() if self.role == KVConnectorRole.WORKER else 0
         return namespace.namespace(
             self._vllm_config, self._kv_cache_config, self.config, self.geometry, tp_rank
         )
@@ -151,6 +150,31 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
             )
         return self._client
 
+    def _peer_clients(self) -> list[StoreClient]:
+        """The scheduler's sessions in TP ranks 1..N-1's namespaces: each rank stores its own shard,
+        so the scheduler reports only what every rank's namespace holds."""
+        if not self._peers:
+            self._peers = [
+                open_client(
+                    self.config,
+                    engine_id=namespace.engine_id(self.config, self.role.name.lower()),
+                    namespace=self.namespace_descriptor(rank),
+                    mode=self.hashing_mode(),
+                    probe_keys=self.probe_keys(),
+                    labels={
+                        "vllm": self.vllm_version,
+                        "role": self.role.name.lower(),
+                        "connector": "kvtag",
+                        "tp_rank": str(rank),
+                    },
+                )
+                for rank in range(1, namespace.tp_size(self._vllm_config))
+            ]
+        return self._peers
+
+    def _clients(self) -> list[StoreClient]:
+        return [client for client in (self._client, *self._peers) if client is not None]
+
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:
             self._scheduler = SchedulerSide(
@@ -161,6 +185,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.eagle_block_drop,
                 self.client(),
                 self.stats,
+                self._peer_clients(),
             )
         return self._scheduler
 
@@ -207,6 +232,9 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         failed = getattr(connector_output, "failed_recving", None)
         if failed:
             self._scheduler.loads_failed(set(failed))
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._scheduler.blocks_failed(set(invalid))
         sent = getattr(connector_output, "finished_sending", None)
         if sent:
             self._scheduler.planner.released(set(sent))
@@ -279,8 +307,9 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def _count_degraded_calls(self) -> None:
         """Take the client's new degraded calls: the client counts each failed or skipped call once,
         at the call; nothing in the connector counts them again."""
-        if self._client is not None:
-            degraded = int(self._client.counters.snapshot()["degraded_calls"])
+        clients = self._clients()
+        if clients:
+            degraded = sum(int(client.counters.snapshot()["degraded_calls"]) for client in clients)
             self.stats.add("degraded_calls", degraded - self._reported_degraded)
             self._reported_degraded = degraded
 

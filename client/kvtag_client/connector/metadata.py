@@ -23,11 +23,16 @@ class LoadJob:
 
     req_id: str
     blocks: list[BlockTransfer]
-    leases: tuple[str, ...] = ()  # the lookup's read leases on these blocks
+    # Per TP rank, the read leases its lookup took in that rank's namespace: each worker passes
+    # its own rank's to its Get (a lease is released only by a session of its namespace).
+    leases: tuple[tuple[str, ...], ...] = ()
     # Asynchronous load (hybrid models): the worker reports the request in finished_recving, or in
     # failed_recving when a block could not be loaded, because vLLM cannot map per-block load errors
     # back to requests when there are several KV cache groups.
     asynchronous: bool = False
+
+    def leases_of(self, tp_rank: int) -> tuple[str, ...]:
+        return self.leases[tp_rank] if tp_rank < len(self.leases) else ()
 
 
 @dataclass(slots=True)

@@ -83,6 +83,20 @@ def kv_dtype(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
+def tp_size(vllm_config: Any) -> int:
+    return int(vllm_config.parallel_config.tensor_parallel_size)
+
+
+def worker_tp_rank() -> int:
+    """This worker process's tensor-parallel rank (0 outside vLLM's distributed setup, e.g. in tests)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
 def parallel_sharding(vllm_config: Any, tp_rank: int, pp_rank: int) -> str:
     parallel = vllm_config.parallel_config
     return (

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 
-from ..store import PackedKeys, StoreClient
+from ..store import LookupResult, PackedKeys, StoreClient
 from . import compat
 from .config import KvtagConfig
 from .groups import CacheGroups
@@ -31,17 +32,23 @@ class SchedulerSide:
         eagle_block_drop: bool,
         client: StoreClient,
         stats: StatsRecorder,
+        peers: Sequence[StoreClient] = (),
     ) -> None:
+        """`client` is a session in TP rank 0's namespace; `peers` one in each further rank's, in
+        rank order: every rank stores its own KV shard, so a hit is what every rank holds."""
         self.config = config
         self.geometry = geometry
         self.groups = groups
         self.lookahead = lookahead
         self.eagle_block_drop = eagle_block_drop
-        self.client = client
+        self.clients = [client, *peers]
         self.stats = stats
         self._requests: dict[str, RequestState] = {}
         self.planner = SavePlanner(config, geometry, groups, stats)
         self._ready_loads: list[LoadJob] = []
+        # req_id -> {engine block id: request block index} of this step's synchronous loads, to map
+        # the block ids a worker reports failed back to the blocks to save again.
+        self._sync_loads: dict[str, dict[int, int]] = {}
 
     @property
     def async_loads(self) -> bool:
@@ -87,8 +94,7 @@ class SchedulerSide:
         self._drop_plan(tracked)
         hit = self._lookup(keys, start, end)
         if hit.num_blocks == 0:
-            if hit.leases:
-                self.client.release(hit.leases)
+            self._release(hit.leases)
             return 0
         tracked.plan = LoadPlan(start, hit.num_blocks, hit.leases, query)
         return hit.num_blocks * block
@@ -96,50 +102,68 @@ class SchedulerSide:
     @dataclass
     class _Hit:
         num_blocks: int
-        leases: tuple[str, ...]
+        leases: tuple[tuple[str, ...], ...]
 
     def _lookup(self, keys: RequestKeys, start: int, end: int) -> SchedulerSide._Hit:
-        """One Lookup of the KV group's keys, then each state group's, in the packed form: this runs
-        inside the scheduler's step, so no Python object is built per key."""
+        """The hit every TP rank can load: rank 0's Lookup over the query, each further rank's over the
+        KV prefix the ranks before it hold (one Lookup per rank; a single rank is the common case)."""
         kv_group = self.groups.kv_groups[0] if self.groups.kv_groups else 0
         groups = [kv_group, *self.groups.state_groups]
         self.stats.add("lookups")
-        packed = keys.packed(start, end)
-        if packed is not None:
-            joined, key_length, bases = packed
-            runs = [PackedKeys(group, joined, key_length, bases) for group in groups]
-            result = self.client.lookup_packed(runs, lease_ms=self.config.lease_ms)
-        else:  # keys of several lengths: block by block
-            span = range(start, end)
-            refs = [(group, keys.key(j), keys.base_key(j)) for group in groups for j in span]
-            result = self.client.lookup(refs, lease_ms=self.config.lease_ms)
-        statuses = result.statuses
-        if len(statuses) != len(groups) * (
-            end - start
-        ):  # never from StoreClient; a degraded lookup is all misses
-            return self._Hit(0, result.leases)
         count = end - start
-        kv_hits = min(result.prefix_length, count)
+        span = count  # the KV prefix every rank asked so far holds
+        answers: list[tuple[int, list[int]]] = []  # per rank asked: (blocks asked, statuses)
+        leases: list[tuple[str, ...]] = []
+        for client in self.clients:
+            if span == 0:
+                leases.append(())
+                continue
+            result = self._lookup_rank(client, keys, groups, start, start + span)
+            leases.append(result.leases)
+            if len(result.statuses) != len(groups) * span:  # never from StoreClient
+                span = 0
+                continue
+            answers.append((span, result.statuses))
+            span = min(result.prefix_length, span)
+        kv_hits = span
         if self.lookahead == 0 and self.eagle_block_drop:
             # Legacy keys cannot prove the drafter KV of a hit's last block: drop it, like vLLM does.
             kv_hits = max(0, kv_hits - 1)
         usable = kv_hits
         if self.groups.hybrid:
-            # A hybrid hit ends only where every state group holds the state at that boundary.
-            usable = 0
-            for n in range(kv_hits, 0, -1):
-                if all(
-                    statuses[count * (1 + i) + n - 1] == pb.HIT for i in range(len(self.groups.state_groups))
-                ):
-                    usable = n
-                    break
+            # A hybrid hit ends only where every state group of every rank holds the state there.
+            states = range(1, len(groups))
+
+            def stored(n: int) -> bool:
+                return all(s[asked * i + n - 1] == pb.HIT for asked, s in answers for i in states)
+
+            usable = next((n for n in range(kv_hits, 0, -1) if stored(n)), 0)
         self.stats.add("hit_blocks", usable)
         self.stats.add("miss_blocks", count - usable)
-        return self._Hit(usable, result.leases)
+        return self._Hit(usable, tuple(leases))
+
+    def _lookup_rank(
+        self, client: StoreClient, keys: RequestKeys, groups: list[int], start: int, end: int
+    ) -> LookupResult:
+        """One Lookup of the KV group's keys, then each state group's, in the packed form: this runs
+        inside the scheduler's step, so no Python object is built per key."""
+        packed = keys.packed(start, end)
+        if packed is not None:
+            joined, key_length, bases = packed
+            runs = [PackedKeys(group, joined, key_length, bases) for group in groups]
+            return client.lookup_packed(runs, lease_ms=self.config.lease_ms)
+        # keys of several lengths: block by block
+        refs = [(group, keys.key(j), keys.base_key(j)) for group in groups for j in range(start, end)]
+        return client.lookup(refs, lease_ms=self.config.lease_ms)
+
+    def _release(self, leases: tuple[tuple[str, ...], ...]) -> None:
+        for client, rank_leases in zip(self.clients, leases, strict=False):
+            if rank_leases:
+                client.release(rank_leases)
 
     def _drop_plan(self, tracked: RequestState) -> None:
-        if tracked.plan is not None and tracked.plan.leases and not tracked.load_confirmed:
-            self.client.release(tracked.plan.leases)
+        if tracked.plan is not None and not tracked.load_confirmed:
+            self._release(tracked.plan.leases)
         tracked.plan = None
         tracked.load_confirmed = False
 
@@ -174,10 +198,21 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.load_failed = True
 
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        """Blocks of this step's synchronous loads that a worker (any TP rank) could not load: vLLM
+        recomputes the request from the first of them, so its saves restart there and the rank that
+        lacked the blocks stores them (the others' puts answer ALREADY_PRESENT)."""
+        for req_id, index in self._sync_loads.items():
+            tracked = self._requests.get(req_id)
+            failed = [j for block_id, j in index.items() if block_id in block_ids]
+            if tracked is not None and failed:
+                tracked.next_save_block = min(tracked.next_save_block, min(failed))
+
     # ---- per-step metadata ---------------------------------------------------------------------
 
     def build_meta(self, scheduler_output: Any) -> KvtagConnectorMetadata:
         meta = KvtagConnectorMetadata()
+        self._sync_loads = {}
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
         for req_id, offloads in compat.boundary_state_offloads(scheduler_output).items():
@@ -197,6 +232,9 @@ class SchedulerSide:
             if block_ids is None:
                 continue
             if tracked.load_confirmed and tracked.plan is not None:
+                first, group = tracked.plan.start_block, self.groups.kv_groups[0]
+                span = range(first, first + tracked.plan.num_blocks)
+                self._sync_loads[req_id] = {block_ids[group][j]: j for j in span}
                 meta.loads.append(self._load_job(req_id, tracked, block_ids))
                 tracked.plan = None
                 tracked.load_confirmed = False

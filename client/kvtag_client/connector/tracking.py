@@ -112,7 +112,8 @@ class LoadPlan:
 
     start_block: int
     num_blocks: int
-    leases: tuple[str, ...]
+    # Per TP rank, the read leases of its lookup (see LoadJob.leases).
+    leases: tuple[tuple[str, ...], ...]
     # (start_block, keyed blocks) the plan was computed for: repeat queries reuse it.
     query: tuple[int, int]
 

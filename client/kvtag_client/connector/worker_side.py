@@ -35,8 +35,11 @@ class WorkerSide:
         max_pending_save_bytes: int,
         save_batch_blocks: int,
         audit: bool = False,
+        tp_rank: int = 0,
     ) -> None:
+        """`tp_rank`: this worker's tensor-parallel rank; its client is a session in that rank's namespace."""
         self._kv_cache_config = kv_cache_config
+        self._tp_rank = tp_rank
         self._client = client_getter
         self._stats = stats
         self._views: list[list[LayerView]] = []
@@ -63,7 +66,7 @@ class WorkerSide:
             if not job.after_forward:
                 self._save(job)
         for load in meta.loads:
-            failed = self._load(load.req_id, load.blocks, load.leases)
+            failed = self._load(load.req_id, load.blocks, load.leases_of(self._tp_rank))
             with self._lock:
                 if load.asynchronous:
                     (self._failed_recving if failed else self._finished_recving).add(load.req_id)
