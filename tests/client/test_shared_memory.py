@@ -291,6 +291,7 @@ def test_read_leases_are_released_soon_after_each_get_without_waiting_for_expiry
     client = _shm_client(make_client, store.endpoint, tenant="release")
     items = [(0, f"r-{n}".encode(), os.urandom(4096), b"") for n in range(32)]
     assert client.put(items) == [pb.STORED] * len(items)
+
     def releasers() -> int:
         return sum(1 for t in threading.enumerate() if t.name == "kvtag-release")
 
