@@ -8,7 +8,11 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 - service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
             and the same service over its memory backend (gRPC + service layer without Mooncake);
 - parts:    where the backend's extra time goes, each part timed alone on the same blocks
-            (CRC-32 of the values, the header read-back of a put, the existence check of a get).
+            (CRC-32 of the values, the header read-back of a put, the existence check of a get);
+- client:   kvtag_client's StoreClient (what the connector calls: put, get) against the same
+            service over Mooncake, on the shared-memory path (values staged in arena slots Mooncake
+            reads into and writes from) and on the inline path, and over the memory backend's
+            shared-memory path for comparison.
 
 Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). The results
 record the load average before and after each repeat: other work on the machine moves the times. Every
@@ -74,6 +78,8 @@ class Rig:
     kvtag_session: str
     memory_session: str
     service_ns: str
+    # StoreClients: (client, namespace id) per path.
+    clients: dict[str, tuple[Any, str]]
 
 
 ROWS = (
@@ -89,7 +95,14 @@ ROWS = (
     "crc32",
     "put_readback",
     "get_exist_check",
+    "client_shm_put",
+    "client_shm_get",
+    "client_inline_put",
+    "client_inline_get",
+    "memory_client_shm_put",
+    "memory_client_shm_get",
 )
+CLIENT_PATHS = ("client_shm", "client_inline", "memory_client_shm")
 
 
 def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[str, float]:
@@ -166,14 +179,34 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
             clock(row + "_put", service_put, server, session, b)
         for b in batches:
             clock(row + "_get", service_get, server, session, b)
+    ckeys = [b"cli-" + k for k in keys]
+
+    def client_put(client: Any, b: list[int]) -> None:
+        statuses = client.put([(0, ckeys[i], value[i], b"") for i in b])
+        assert statuses == [pb.STORED] * len(b), statuses
+
+    def client_get(client: Any, b: list[int]) -> None:
+        got = client.get([(0, ckeys[i]) for i in b])
+        assert all(v is not None and len(v) == len(value[i]) for i, v in zip(b, got, strict=True))
+
+    for row in CLIENT_PATHS:
+        client, _ = rig.clients[row]
+        for b in batches:
+            clock(row + "_put", client_put, client, b)
+        for b in batches:
+            clock(row + "_get", client_get, client, b)
     # Free the room for the next repeat once the reads' leases (1 s here) lapse.
     time.sleep(1.1)
     stored = raw_keys + mkeys + [object_key(ns_many, 0, k) for k in keys]
-    rig.raw.batch_remove(stored + [object_key(rig.service_ns, 0, k) for k in skeys], True)
+    stored += [object_key(rig.service_ns, 0, k) for k in skeys]
+    stored += [object_key(ns_id, 0, k) for _, ns_id in rig.clients.values() for k in ckeys]
+    rig.raw.batch_remove(stored, True)
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtag_client import keys as client_keys
+    from kvtag_client.store import StoreClient
     from kvtag_proto import ids
     from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeSettings, connect
 
@@ -201,9 +234,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     memory = Replica(cluster, workdir, "memory", ["--backend=memory", "--capacity=2GiB"])
     results: dict[str, Any] = {"sizes": {}}
     loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
+    clients: dict[str, tuple[Any, str]] = {}
     try:
         kvtag.start()
         memory.start()
+        for row, replica, data_path in (
+            ("client_shm", kvtag, "auto"),
+            ("client_inline", kvtag, "inline"),
+            ("memory_client_shm", memory, "auto"),
+        ):
+            client_ns = namespace(f"bench-{row}-" + os.urandom(4).hex())
+            client = StoreClient(
+                f"127.0.0.1:{replica.port}",
+                engine_id=f"bench-{row}",
+                namespace=client_ns,
+                mode=client_keys.mode(16, 0),
+                probe_keys=client_keys.probe_keys(16, 0),
+                rpc_timeout_s=60.0,
+                data_path=data_path,
+            )
+            clients[row] = (client, ids.namespace_id(client_ns))
+            assert client.open(), f"{row}: the client could not open a session"
+            expected = "inline" if data_path == "inline" else "shared_memory"
+            assert client.data_path == expected, f"{row}: data path {client.data_path}, not {expected}"
         ns_desc = namespace("bench-" + os.urandom(4).hex())
         rig = Rig(
             raw,
@@ -213,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kvtag.open(ns_desc, mode(), "bench").session_id,
             memory.open(ns_desc, mode(), "bench").session_id,
             ids.namespace_id(ns_desc),
+            clients,
         )
         for size in sizes:
             count = max(volume // size, 4)
@@ -240,9 +294,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "service_get": median["service_get"] / median["raw_get"],
                     "memory_service_put": median["memory_service_put"] / median["raw_put"],
                     "memory_service_get": median["memory_service_get"] / median["raw_get"],
+                    **{
+                        f"{path}_{op}": median[f"{path}_{op}"] / median[f"raw_{op}"]
+                        for path in CLIENT_PATHS
+                        for op in ("put", "get")
+                    },
                 },
             }
     finally:
+        for client, _ in clients.values():
+            client.close()
         memory.stop()
         kvtag.stop()
         backend.close()
@@ -282,6 +343,21 @@ def table(results: dict[str, Any]) -> str:
                 f"{label:>8} {op:>4} {med['raw_' + kind]:8.1f} {med[backend]:8.1f} {service} {memory}"
                 f"                 {ratios}   {parts}"
             )
+    lines.append("")
+    lines.append(
+        f"{'value':>8} {'op':>4} {'raw ms':>8} {'shm':>8} {'inline':>8} {'mem shm':>8}"
+        "   StoreClient; ratio to raw: shm  inline  mem shm   GB/s: shm  inline"
+    )
+    for size, row in results["sizes"].items():
+        med = {k: v * 1000 for k, v in row["seconds_median"].items()}
+        ratio = row["overhead_ratio"]
+        gbps = row["gbps"]
+        label = f"{int(size) // KiB}KiB" if int(size) < MiB else f"{int(size) // MiB}MiB"
+        for op in ("put", "get"):
+            times = " ".join(f"{med[f'{path}_{op}']:8.1f}" for path in CLIENT_PATHS)
+            ratios = " ".join(f"{ratio[f'{path}_{op}']:6.2f}" for path in CLIENT_PATHS)
+            rates = f"{gbps[f'client_shm_{op}']:6.2f} {gbps[f'client_inline_{op}']:6.2f}"
+            lines.append(f"{label:>8} {op:>4} {med['raw_' + op]:8.1f} {times}   {' ' * 24}{ratios}   {rates}")
     return "\n".join(lines)
 
 
