@@ -92,6 +92,8 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         # warning is logged and `diagnose` lists the engine before any traffic. Bounded by
         # rpc_timeout_ms; an unreachable store is logged and the engine starts degraded.
         self.client()
+        if role == KVConnectorRole.SCHEDULER:
+            self._peer_clients()  # with TP > 1, the other ranks' namespaces too
 
     # ---- mode ----------------------------------------------------------------------------------
 
