@@ -5,7 +5,10 @@ replica reading the same blocks inline."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +25,8 @@ from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.staging import StagedAddress
 
 from tests.descriptors import namespace
+from tests.net import wait_until
+from tests.store_process import REPO
 
 from .mooncake_cluster import MooncakeCluster, settings_for
 from .mooncake_replicas import Replica
@@ -262,3 +267,79 @@ def test_store_client_uses_the_shared_memory_path_over_mooncake_and_the_other_re
     finally:
         near.close()
         far.close()
+
+
+@pytest.fixture
+def small_staging(cluster: MooncakeCluster, tmp_path: Path, shm_dir: Path) -> Iterator[Replica]:
+    """A replica whose staging arena is small (slots are reused all the time) and whose sessions
+    expire 1 s after their last call."""
+    replica = Replica(
+        cluster,
+        tmp_path,
+        "small-staging",
+        [f"--shm-dir={shm_dir}", "--mooncake-shm-staging=2MiB", "--session-ttl-ms=1000"],
+    )
+    replica.start()
+    yield replica
+    replica.stop()
+
+
+def _reserved(replica: Replica) -> int:
+    stats: pb.GetStatsResponse = replica.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    return int(stats.reserved_bytes)
+
+
+def test_racing_processes_over_a_small_staging_arena_are_served_only_exact_bytes(
+    small_staging: Replica,
+) -> None:
+    """Three client processes put and get content-derived values through a 2 MiB staging arena, so
+    slots are freed and handed out again under their feet; each checks every byte it is served."""
+    endpoint = f"127.0.0.1:{small_staging.port}"
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.client.shm_worker", "race", endpoint, str(seed), "100"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(3)
+    ]
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, (out + err).decode(errors="replace")[-2000:]
+        reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    assert all(r["served"] > 0 and r["stored"] > 0 for r in reports), reports
+    assert _reserved(small_staging) == 0
+
+
+def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(small_staging: Replica) -> None:
+    endpoint = f"127.0.0.1:{small_staging.port}"
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "tests.client.shm_worker", "reserve-and-hang", endpoint],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert doomed.stdout is not None
+        line = doomed.stdout.readline()
+        assert line == b"reserved\n", doomed.stderr.read().decode() if doomed.stderr else line
+        assert _reserved(small_staging) == 4 * (64 << 10)
+    finally:
+        doomed.kill()
+        doomed.wait(timeout=10)
+    wait_until(lambda: _reserved(small_staging) == 0, 20, "the dead writer's slots to be freed")
+    reader = StoreClient(
+        endpoint,
+        engine_id="reader",
+        namespace=namespace("shm-tests"),
+        mode=keys.mode(16, 0),
+        probe_keys=keys.probe_keys(16, 0),
+        rpc_timeout_s=10.0,
+    )
+    try:
+        assert reader.open() and reader.data_path == "shared_memory"
+        assert reader.get([(0, f"doomed-{i}".encode()) for i in range(4)]) == [None] * 4
+    finally:
+        reader.close()
