@@ -1,11 +1,17 @@
-"""Each role opens its store session when the engine starts, so refusals and mode splits show before
-any request, and a store that is down or stalled never fails or holds up the start."""
+"""A connector's store sessions live as long as its engine: each role opens its session when the engine
+starts, so refusals and mode splits show before any request (a store that is down or stalled never
+fails or holds up the start), and a process that exits without shutting its connectors down still
+ends its sessions."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +24,7 @@ from .harness import Engine
 from .test_hit_length import B, fresh_prompt
 
 FAST = {"rpc_timeout_ms": 300, "reconnect_interval_ms": 200}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sessions(store: StoreProcess, engine: str) -> dict[str, list[dict[str, Any]]]:
@@ -126,3 +133,33 @@ def test_a_stalled_store_holds_each_role_up_for_at_most_its_rpc_timeout_then_rec
         "start-stalled/scheduler",
         "start-stalled/worker",
     ], "both roles open their sessions in the background once the store answers"
+
+
+def test_a_process_that_exits_without_shutting_its_engine_down_ends_both_sessions(
+    models: dict[str, Path], start_store: Callable[..., StoreProcess]
+) -> None:
+    """Like an offline `LLM` script that ends without shutting vLLM down: nothing calls shutdown()."""
+    store = start_store()
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from tests.connector.harness import Setup\n"
+        "engine = Setup(Path(sys.argv[1]), sys.argv[2], extra={'engine_id': 'exit-engine'}).build()\n"
+        "print(engine.connector.client().state.name, engine.worker_connector.client().state.name)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(models["llama"]), store.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["CONNECTED", "CONNECTED"]
+    seen = sessions(store, "exit-engine")["live"]
+    assert sorted((e["engine_id"], e["live"]) for e in seen) == [
+        ("exit-engine/scheduler", False),
+        ("exit-engine/worker", False),
+    ], "the sessions end with the process, not after the store's session TTL"

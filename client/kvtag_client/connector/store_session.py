@@ -1,8 +1,12 @@
-"""Opens the kvtag session a connector role uses, for the namespace and mode it derived."""
+"""Opens the kvtag session a connector role uses, for the namespace and mode it derived, and closes
+it at interpreter exit if the connector was never shut down."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import weakref
 from typing import TYPE_CHECKING
 
 from kvtag.v1 import store_pb2 as pb
@@ -47,6 +51,7 @@ def open_client(
         )
     except ChannelConfigError as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
+    _track(client)
     client.open()
     logger.info(
         "kvtag %s: endpoint %s (%s), state %s, mode lookahead=%d scheme=%s",
@@ -58,3 +63,29 @@ def open_client(
         mode.key_scheme,
     )
     return client
+
+
+# ---- ending sessions with the process -------------------------------------------------------------
+
+
+_clients: weakref.WeakSet[StoreClient] = weakref.WeakSet()
+_hooks_pid = 0  # the process whose exit hook is installed; a forked child installs its own
+
+
+def _track(client: StoreClient) -> None:
+    """Close `client` at interpreter exit if nothing closed it before (a connector's shutdown())."""
+    global _hooks_pid, _clients
+    if _hooks_pid != os.getpid():
+        _hooks_pid = os.getpid()
+        _clients = weakref.WeakSet()  # a forked child must not close its parent's sessions
+        atexit.register(end_sessions)
+    _clients.add(client)
+
+
+def end_sessions() -> None:
+    """Close every store client this process opened and has not closed yet."""
+    for client in list(_clients) if _hooks_pid == os.getpid() else []:
+        try:
+            client.close()
+        except Exception:  # ending sessions is best effort: the store's TTL is the fallback
+            logger.debug("kvtag: closing a store session at exit failed", exc_info=True)
