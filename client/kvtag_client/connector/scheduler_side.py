@@ -213,7 +213,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> KvtagConnectorMetadata:
         meta = KvtagConnectorMetadata()
         self._sync_loads = {}
-        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        preempted = set(scheduler_output.preempted_req_ids or ())
 
         for req_id, offloads in compat.boundary_state_offloads(scheduler_output).items():
             tracked = self._requests.get(req_id)
