@@ -85,8 +85,10 @@ test-mooncake: $(STAMPS)/dev
 test-connector: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q --cov=kvtag_client $(COV) tests/connector tests/client_vllm
 
-test-e2e: $(STAMPS)/vllm $(STAMPS)/service
+# tests/e2e/test_mooncake_shared_memory.py runs engines over a Mooncake cluster (wheel in .venv).
+test-e2e: $(STAMPS)/vllm $(STAMPS)/dev
 	scripts/install_openssl.sh
+	scripts/install_mooncake.sh
 	$(VLLM_VENV)/bin/pytest -q tests/e2e
 
 # The status page in Debian's headless chromium (installed by the script); screenshots in tests/artifacts/.
