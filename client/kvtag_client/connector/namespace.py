@@ -102,9 +102,8 @@ def namespace(
     model_config = vllm_config.model_config
     model = str(model_config.model)
     return pb.NamespaceDescriptor(
-        model_name=config.model_name or str(getattr(model_config, "served_model_name", None) or model),
-        weights_fingerprint=config.weights_fingerprint
-        or weights_fingerprint(model, getattr(model_config, "revision", None)),
+        model_name=config.model_name or str(model_config.served_model_name or model),
+        weights_fingerprint=config.weights_fingerprint or weights_fingerprint(model, model_config.revision),
         kv_dtype=kv_dtype(vllm_config),
         kv_layout=kv_layout(kv_cache_config),
         block_size=geometry.block_size,
