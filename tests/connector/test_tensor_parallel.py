@@ -24,6 +24,8 @@ from tests.store_process import StoreProcess
 from .harness import Engine, Setup
 from .test_hit_length import B, fresh_prompt
 
+H = 64  # block size of the hybrid recipe
+
 
 @dataclass
 class TensorParallelSetup(Setup):
@@ -39,8 +41,11 @@ class TensorParallelSetup(Setup):
 def tp_engine(models: dict[str, Path]) -> Iterator[Callable[..., Engine]]:
     engines: list[Engine] = []
 
-    def factory(endpoint: str, **fields: Any) -> Engine:
-        engine = TensorParallelSetup(models["llama"], endpoint, **fields).build()
+    def factory(endpoint: str, hybrid: bool = False, **fields: Any) -> Engine:
+        if hybrid:
+            fields.update(block_size=H, prefix_match_unit=16)
+        model = models["qwen3_next" if hybrid else "llama"]
+        engine = TensorParallelSetup(model, endpoint, hybrid=hybrid, **fields).build()
         engines.append(engine)
         return engine
 
@@ -49,8 +54,11 @@ def tp_engine(models: dict[str, Path]) -> Iterator[Callable[..., Engine]]:
         engine.shutdown()
 
 
-def store_for_rank(engine: Engine, endpoint: str, rank: int, prompt: list[int], blocks: int) -> None:
-    """Store the first `blocks` blocks of `prompt` in TP rank `rank`'s namespace, as that rank would."""
+def store_for_rank(
+    engine: Engine, endpoint: str, rank: int, prompt: list[int], blocks: int, states: tuple[int, ...] = ()
+) -> None:
+    """Store the first `blocks` blocks of `prompt` in TP rank `rank`'s namespace, as that rank would,
+    and (hybrid) the Mamba state at each boundary in `states` (after that many blocks)."""
     connector = engine.connector
     keys = RequestKeys(
         engine.make_request("keys", prompt), connector.geometry, connector.lookahead_tokens, "canonical"
@@ -58,6 +66,7 @@ def store_for_rank(engine: Engine, endpoint: str, rank: int, prompt: list[int], 
     keys.refresh()
     value = bytes(engine.kvc.kv_cache_groups[0].kv_cache_spec.page_size_bytes * 2)
     items = [PutItem(0, keys.key(j), value, keys.base_key(j)) for j in range(blocks)]
+    items += [PutItem(1, keys.key(n - 1), value, keys.base_key(n - 1)) for n in states]
     with StoreClient(
         endpoint,
         engine_id=f"rank{rank}-writer",
@@ -96,6 +105,23 @@ def test_tp2_scheduler_reports_only_the_prefix_every_rank_holds(
     assert len(load.blocks) == 4
     assert len(load.leases) == 2 and all(load.leases), f"each rank's lookup lease travels: {load.leases}"
     assert load.leases_of(0) != load.leases_of(1)
+
+
+def test_tp2_hybrid_hit_ends_where_every_rank_holds_the_state(
+    tp_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    engine = tp_engine(store.endpoint, hybrid=True)
+    prompt = fresh_prompt(3 * H + 5)
+    store_for_rank(engine, store.endpoint, 0, prompt, 3, states=(1, 2, 3))
+    store_for_rank(engine, store.endpoint, 1, prompt, 3, states=(2,))
+    assert engine.external_hit("rank1-state-at-2", prompt) == 2 * H
+    store_for_rank(engine, store.endpoint, 1, prompt, 3, states=(3,))
+    assert engine.external_hit("both-at-3", prompt) == 3 * H
+
+    other = fresh_prompt(3 * H + 5)
+    store_for_rank(engine, store.endpoint, 0, other, 3, states=(1, 3))
+    store_for_rank(engine, store.endpoint, 1, other, 3, states=(2,))
+    assert engine.external_hit("no-common-boundary", other) == 0
 
 
 def test_blocks_a_worker_fails_to_load_are_saved_again_once_recomputed(
