@@ -55,6 +55,7 @@ from kvtag_client import keys as kvkeys
 from kvtag_client.store import PackedKeys, StoreClient
 from provenance import git_describe
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.*
 from tests.descriptors import namespace
 from tests.net import free_port
 
