@@ -76,6 +76,21 @@ def test_unsupported_vllm_versions_fail_with_the_version_named() -> None:
             compat.check_supported(version)
 
 
+@pytest.mark.parametrize("version", ["0.33.0", "0.31.2"])
+def test_an_engine_on_an_unsupported_vllm_refuses_to_build_its_connector(
+    make_engine: Callable[..., Engine],
+    store: StoreProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
+) -> None:
+    """The installed 0.32 reports another version (the fault): the connector, not a request, fails."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(compat.UnsupportedVllmVersion, match=rf"supports vLLM 0\.32\.x, but vLLM {version}"):
+        make_engine(store.endpoint, extra={"engine_id": f"version-{version}"})
+
+
 def test_bad_extra_config_names_the_key() -> None:
     assert parse({}).endpoint == "127.0.0.1:50051"
     with pytest.raises(ConnectorConfigError, match="key_scheme"):
