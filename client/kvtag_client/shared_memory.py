@@ -68,7 +68,7 @@ class ArenaMapping:
         self._populate = True
         self._closed = threading.Event()
         # Map what the service has touched into this process's page tables in the background, so a
-        # put or get here does not pay the first access per page (about half the speed of the copy).
+        # put or get here does not pay the first access per page.
         threading.Thread(target=self._follow, name="kvtag-arena-map", daemon=True).start()
 
     def close(self) -> None:

@@ -138,7 +138,7 @@ class Arena:
         memory when `directory` is None (the inline path only). With `group` the file is that group's
         and mode 0660: the tenant's engines, in that group under their own users, may map it.
         `eager`: bytes the background prefaulter touches from the start, whatever has been used, so a
-        filling store's puts find their pages ready (a first touch costs ~1 GB/s here)."""
+        filling store's puts find their pages ready (a first touch is costly: docs/benchmarks.md)."""
         self.tenant = tenant
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_LENGTH)
