@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True, slots=True)
 class LayerView:
-    """One tensor of one layer (Mamba layers have several), and the dimension that indexes blocks."""
+    """One tensor of one layer (Mamba layers have several), and the dimension that indexes blocks.
+    A block's shape and size are worked out once here: the copies run per layer per block."""
 
     name: str
     tensor: torch.Tensor
     block_dim: int
+    block_shape: tuple[int, ...] = field(init=False)
+    nbytes: int = field(init=False)
 
-    def block_nbytes(self) -> int:
+    def __post_init__(self) -> None:
         shape = list(self.tensor.shape)
         del shape[self.block_dim]
         count = 1
         for size in shape:
             count *= size
-        return count * int(self.tensor.element_size())
+        object.__setattr__(self, "block_shape", tuple(shape))
+        object.__setattr__(self, "nbytes", count * int(self.tensor.element_size()))
 
 
 class UnsupportedLayout(ValueError):
@@ -81,10 +85,15 @@ def gather_into(views: Sequence[LayerView], block_id: int, destination: memoryvi
     if not destination.nbytes:
         return
     out = torch.frombuffer(destination, dtype=torch.uint8)
+    layers = _uniform(views, out)
+    if layers is not None:
+        for view, layer in zip(views, layers, strict=True):
+            layer.copy_(view.tensor.select(view.block_dim, block_id))
+        return
     offset = 0
     for view in views:
         source = view.tensor.select(view.block_dim, block_id)
-        size = view.block_nbytes()
+        size = view.nbytes
         _typed(out[offset : offset + size], view.tensor.dtype, source.shape).copy_(source)
         offset += size
 
@@ -96,13 +105,28 @@ def scatter_from(views: Sequence[LayerView], block_id: int, source: memoryview) 
     if not source.nbytes:
         return True
     data = torch.frombuffer(source, dtype=torch.uint8)
+    layers = _uniform(views, data)
+    if layers is not None:  # one typed view of the whole block, indexed per layer
+        for view, layer in zip(views, layers, strict=True):
+            view.tensor.select(view.block_dim, block_id).copy_(layer)
+        return True
     offset = 0
     for view in views:
         target = view.tensor.select(view.block_dim, block_id)
-        size = view.block_nbytes()
+        size = view.nbytes
         target.copy_(_typed(data[offset : offset + size], view.tensor.dtype, target.shape))
         offset += size
     return True
+
+
+def _uniform(views: Sequence[LayerView], data: torch.Tensor) -> torch.Tensor | None:
+    """The block's bytes seen as [layers, *block_shape] when every layer has one dtype and block shape
+    (the usual attention group), else None: two tensor views per block instead of two per layer."""
+    first = views[0]
+    dtype, shape = first.tensor.dtype, first.block_shape
+    if any(v.tensor.dtype != dtype or v.block_shape != shape for v in views):
+        return None
+    return _typed(data, dtype, torch.Size((len(views), *shape)))
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -114,7 +138,7 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Te
 
 
 def block_nbytes(views: Sequence[LayerView]) -> int:
-    return sum(view.block_nbytes() for view in views)
+    return sum(view.nbytes for view in views)
 
 
 def scatter(views: Sequence[LayerView], block_id: int, value: bytes | memoryview) -> bool:
@@ -125,7 +149,7 @@ def scatter(views: Sequence[LayerView], block_id: int, value: bytes | memoryview
     offset = 0
     for view in views:
         target = view.tensor.select(view.block_dim, block_id)
-        size = view.block_nbytes()
+        size = view.nbytes
         chunk = source[offset : offset + size].clone().view(view.tensor.dtype).reshape(target.shape)
         target.copy_(chunk)
         offset += size
