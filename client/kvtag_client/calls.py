@@ -47,7 +47,13 @@ class Calls(Session):
             raise _CallFailed("not connected")
         for attempt in (0, 1):
             try:
-                return rpc(session_id, deadline.remaining())
+                timeout = deadline.remaining()
+            except _CallFailed:  # the batch's deadline ran out before this call: a failed call too
+                with self._lock:
+                    self.counters.degraded_calls += 1
+                raise
+            try:
+                return rpc(session_id, timeout)
             except grpc.RpcError as err:
                 if attempt == 0 and self._is_session_gone(err):
                     try:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
-@dataclass(frozen=True, slots=True)
-class BlockTransfer:
-    """One store block <-> one engine block: `group` is the KV cache group (the store's BlockRef.group)."""
+class BlockTransfer(NamedTuple):
+    """One store block <-> one engine block: `group` is the KV cache group (the store's BlockRef.group).
+    A NamedTuple, not a frozen dataclass: a 64k-token hit builds 4,096 of them inside the scheduler's
+    step, and a tuple is built in less than half the time."""
 
     group: int
     block_id: int
