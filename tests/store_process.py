@@ -37,6 +37,9 @@ def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None
         proc.wait(timeout=10)
 
 
+TEST_CAPACITY = "256MiB"
+
+
 class StoreProcess:
     """One store on a fixed port (a restart keeps the address); every start appends to `log_path`.
 
@@ -49,6 +52,10 @@ class StoreProcess:
     ) -> None:
         self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        # A store touches its whole capacity up front (docs/operations.md); the suites start dozens, so
+        # theirs is 256 MiB unless a test asks for another.
+        if not any(a == "--capacity" or a.startswith("--capacity=") for a in args):
+            args = ("--capacity", TEST_CAPACITY, *args)
         self.args = list(args)
         self.log_path = log_path
         self.process_group = process_group
