@@ -17,15 +17,12 @@ import threading
 import time
 
 from kvtag.v1 import store_pb2 as pb
+from kvtag_proto import pages
 
 _GENERATION = struct.Struct("<Q")
 # The service reserves arena pages in extents of this size; a slot's extents are all reserved, so
 # mapping them whole here never allocates memory the service did not.
 _EXTENT = 2 << 20
-# madvise(MADV_POPULATE_WRITE): map a range's pages in one call instead of a fault per 4 KiB page
-# (figures: docs/benchmarks.md, "Figures behind choices in the code"). Linux 5.14; older kernels
-# fault page by page.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Values start after a 64-byte slot header; nothing a reference names lies below this.
 _FIRST_VALUE = 4096 + 64
 # The arena header's count of bytes the service has reserved and touched (u64), and how long the
@@ -60,6 +57,7 @@ class ArenaMapping:
         self.segment = offer.segment
         self.size = offer.size_bytes
         self.view = memoryview(self._mmap)
+        self._base = pages.base_address(self._mmap)
         end = offer.nonce_offset + offer.nonce_length
         if offer.nonce_length == 0 or end > self.size:
             raise UnusableOffer("the offer's nonce lies outside the arena")
@@ -111,7 +109,7 @@ class ArenaMapping:
                 continue
             base = extent * _EXTENT
             try:
-                self._mmap.madvise(_MADV_POPULATE_WRITE, base, min(_EXTENT, self.size - base))
+                pages.populate_write(self._base, base, min(_EXTENT, self.size - base))
             except OSError:
                 self._populate = False  # the kernel lacks it: first touches fault page by page
                 return

@@ -34,6 +34,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtag_proto import pages
+
 log = logging.getLogger("kvtag_store.arena")
 
 MAGIC = b"KVTAGARN"
@@ -52,8 +54,6 @@ EXTENT = 2 << 20
 # waits for first-touch faults unless it outruns this window. Beyond it, an arena is touched up front
 # to its `eager` size (the capacity its pool leaves it) from the moment it is created.
 PREFAULT_WINDOW = 64 << 20
-# madvise(MADV_POPULATE_WRITE): map a range's pages in one call instead of a fault per page (Linux 5.14).
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _GENERATION = struct.Struct("<Q")
 _FAULTED = struct.Struct("<Q")
 
@@ -63,11 +63,12 @@ def _round_up(n: int, to: int) -> int:
 
 
 def populate_write(memory: mmap.mmap, start: int, length: int) -> None:
-    """Map [start, start+length) writable in this process now: one madvise, or a write per page where
-    the kernel lacks MADV_POPULATE_WRITE. `start` is page-aligned."""
+    """Map [start, start+length) writable in this process now: one madvise with the GIL released (the
+    prefaulter runs beside the threads serving calls), or a write per page where the kernel lacks
+    MADV_POPULATE_WRITE. `start` is page-aligned."""
     try:
-        memory.madvise(MADV_POPULATE_WRITE, start, length)
-    except (OSError, ValueError):
+        pages.populate_write(pages.base_address(memory), start, length)
+    except (OSError, ValueError, TypeError):
         zero = b"\0"
         for offset in range(start, start + length, mmap.PAGESIZE):
             memory[offset : offset + 1] = zero
