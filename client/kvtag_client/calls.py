@@ -4,7 +4,7 @@ and the server's limits that size each request."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -66,6 +66,16 @@ class Calls(Session):
                 self._on_call_error(err)
                 raise _CallFailed(self._code(err).name) from err
         raise AssertionError("unreachable")
+
+    def _count_put_results(self, results: Sequence[int]) -> None:
+        """Count a put's final per-item statuses once (UNSPECIFIED: dropped), whichever path sent it."""
+        with self._lock:
+            c = self.counters
+            c.put_stored += results.count(pb.STORED)
+            c.put_present += results.count(pb.ALREADY_PRESENT)
+            c.put_conflict += results.count(pb.CONFLICT)
+            c.put_rejected += results.count(pb.REJECTED)
+            c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
 
     def _on_call_error(self, err: grpc.RpcError) -> None:
         code = self._code(err)

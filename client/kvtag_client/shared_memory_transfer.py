@@ -107,13 +107,7 @@ class SharedMemoryTransfer(Calls):
                 sent_any = True
         except _CallFailed:
             pass
-        with self._lock:
-            c = self.counters
-            c.put_stored += results.count(pb.STORED)
-            c.put_present += results.count(pb.ALREADY_PRESENT)
-            c.put_conflict += results.count(pb.CONFLICT)
-            c.put_rejected += results.count(pb.REJECTED)
-            c.put_dropped += results.count(pb.PUT_STATUS_UNSPECIFIED)
+        self._count_put_results(results)
         if pending and not sent_any and all(r == pb.PUT_STATUS_UNSPECIFIED for r in results):
             return None
         return [int(r) for r in results]
