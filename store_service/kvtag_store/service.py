@@ -619,13 +619,18 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             results, pinned = self.backend.get_views(session.namespace_id, session.mode_id, addresses)
         else:
             results = self.backend.get(session.namespace_id, session.mode_id, addresses)
-        if request.lease_id:
-            self._unpin(self.sessions.release(session, [request.lease_id]))
-        hits = sum(1 for r in results if r.status == _HIT)
-        mismatches = sum(1 for r in results if r.status == _MISMATCH)
-        misses = len(results) - hits - mismatches
-        self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
-        self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
+        try:
+            if request.lease_id:
+                self._unpin(self.sessions.release(session, [request.lease_id]))
+            hits = sum(1 for r in results if r.status == _HIT)
+            mismatches = sum(1 for r in results if r.status == _MISMATCH)
+            misses = len(results) - hits - mismatches
+            self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
+            self._count_keys(self.metrics.get_keys, hits, misses, mismatches)
+        except BaseException:
+            if pinned:  # these pins belong to no lease: nothing else would ever drop them
+                self.backend.unpin(session.namespace_id, pinned)
+            raise
         return session, addresses, results, pinned
 
     @rpc(intake.GET)

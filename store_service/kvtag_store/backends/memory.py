@@ -193,9 +193,7 @@ class _Namespace:
         self.used_bytes = 0
 
     def pinned(self, address: BlockAddress) -> bool:
-        if address in self.pins:
-            return True
-        return any(run.holds(address) for run in self.leases.values()) if self.leases else False
+        return address in self.pins or any(run.holds(address) for run in self.leases.values())
 
     def pinned_addresses(self) -> set[BlockAddress]:
         held = set(self.pins)
@@ -566,11 +564,7 @@ class MemoryBackend:
         if ns is None:
             return [_MISS] * len(addresses), [None] * len(addresses)
         groups = ns.index.get(mode_id, _NO_GROUPS)
-        if len(groups) == 1:
-            ((only, keys),) = groups.items()
-            found = [keys.get(k) if g == only else None for g, k in addresses]
-        else:
-            found = [groups.get(g, _NO_KEYS).get(k) for g, k in addresses]
+        found = [groups.get(g, _NO_KEYS).get(k) for g, k in addresses]
         all_hit = None not in found
         if all_hit:
             statuses = [_HIT] * len(found)
@@ -704,10 +698,10 @@ class MemoryBackend:
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
         until the caller unpins it, so an inline Get reply is built straight from the arena."""
-        statuses, references, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+        statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
         results = [
             ReadResult(status, e.view() if e is not None else None)
-            for status, e in zip(statuses, references, strict=True)
+            for status, e in zip(statuses, found, strict=True)
         ]
         return results, pinned
 
