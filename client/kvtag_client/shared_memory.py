@@ -25,9 +25,7 @@ _GENERATION = struct.Struct("<Q")
 _EXTENT = 2 << 20
 # Values start after a 64-byte slot header; nothing a reference names lies below this.
 _FIRST_VALUE = 4096 + 64
-# The arena header's count of bytes the service has reserved and touched (u64), and how long the
-# follower below keeps watching it once it stops growing.
-_FAULTED_OFFSET = 32
+# How long the follower below keeps watching the arena's faulted word once it stops growing.
 _FOLLOW_IDLE_S = 5.0
 
 
@@ -74,12 +72,12 @@ class ArenaMapping:
         self._closed.set()
 
     def _follow(self) -> None:
-        """Map extents as the service publishes them (the faulted word), one at a time, releasing the
-        GIL between them; ends when the arena is covered or the word stopped growing."""
+        """Map extents as the service publishes them (the faulted word), one at a time (each madvise
+        releases the GIL); ends when the arena is covered or the word stopped growing."""
         done = 0
         quiet_since = time.monotonic()
         while not self._closed.is_set() and self._populate:
-            faulted = min(self.size, _GENERATION.unpack_from(self._mmap, _FAULTED_OFFSET)[0])
+            faulted = min(self.size, pages.faulted(self._mmap))
             if faulted <= done:
                 if done >= self.size or time.monotonic() - quiet_since > _FOLLOW_IDLE_S:
                     return
@@ -89,7 +87,6 @@ class ArenaMapping:
                 if self._closed.is_set():
                     return
                 self._map_extents(extent * _EXTENT, (extent + 1) * _EXTENT)
-                time.sleep(0)
             done = faulted // _EXTENT * _EXTENT
             quiet_since = time.monotonic()
 

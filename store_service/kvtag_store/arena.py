@@ -43,9 +43,8 @@ FORMAT_VERSION = 1
 ARENA_HEADER = 4096
 NONCE_OFFSET = 16
 NONCE_LENGTH = 16
-# Bytes from the arena's start whose pages are reserved and touched (u64 little-endian), published after
-# each extent, so a client can map them into its own page tables ahead of use.
-FAULTED_OFFSET = 32
+# Where the arena publishes how far its pages are touched, so a client can map them ahead of use.
+FAULTED_OFFSET = pages.FAULTED_OFFSET
 SLOT_HEADER = 64
 ALIGN = 64
 # Pages are reserved and touched this much at a time, ahead of the bump pointer.
@@ -55,7 +54,6 @@ EXTENT = 2 << 20
 # to its `eager` size (the capacity its pool leaves it) from the moment it is created.
 PREFAULT_WINDOW = 64 << 20
 _GENERATION = struct.Struct("<Q")
-_FAULTED = struct.Struct("<Q")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -68,7 +66,7 @@ def populate_write(memory: mmap.mmap, start: int, length: int) -> None:
     MADV_POPULATE_WRITE. `start` is page-aligned."""
     try:
         pages.populate_write(pages.base_address(memory), start, length)
-    except (OSError, ValueError, TypeError):
+    except OSError:
         zero = b"\0"
         for offset in range(start, start + length, mmap.PAGESIZE):
             memory[offset : offset + 1] = zero
@@ -313,7 +311,7 @@ class Arena:
                 return False
         populate_write(self._mmap, start, end - start)
         self._faulted = end
-        _FAULTED.pack_into(self._mmap, FAULTED_OFFSET, end)
+        pages.publish_faulted(self._mmap, end)
         return True
 
     def free_ranges(self) -> list[tuple[int, int]]:

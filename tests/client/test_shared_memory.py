@@ -17,6 +17,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_client.store import StoreClient
+from kvtag_proto import pages
 
 from tests.net import wait_until
 from tests.store_process import REPO, StoreProcess
@@ -278,7 +279,8 @@ def test_the_client_maps_what_the_service_prefaulted_before_any_put(
     assert arena is not None
     path = next(str(p) for p in Path("/dev/shm").glob(f"*{arena.segment}*"))
     view = arena.view
-    wait_until(lambda: int.from_bytes(view[32:40], "little") >= 32 << 20, 30, "the service's prefault")
+    at = pages.FAULTED_OFFSET
+    wait_until(lambda: int.from_bytes(view[at : at + 8], "little") >= 32 << 20, 30, "the service's prefault")
     wait_until(lambda: _resident(path) >= 32 << 20, 30, "the client's mapping of the prefaulted pages")
 
 

@@ -12,9 +12,15 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import struct
 
 # madvise(MADV_POPULATE_WRITE): map a range writable in one call instead of a fault per page (Linux 5.14).
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+# The arena header's faulted word: bytes from the arena's start whose pages the service has reserved
+# and touched (u64 little-endian), written by the service after each extent, read by clients.
+FAULTED_OFFSET = 32
+_FAULTED = struct.Struct("<Q")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _madvise = _libc.madvise
@@ -39,4 +45,20 @@ def populate_write(base: int, start: int, length: int) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
-__all__ = ["MADV_POPULATE_WRITE", "base_address", "populate_write"]
+def publish_faulted(memory: mmap.mmap, end: int) -> None:
+    _FAULTED.pack_into(memory, FAULTED_OFFSET, end)
+
+
+def faulted(memory: mmap.mmap) -> int:
+    value: int = _FAULTED.unpack_from(memory, FAULTED_OFFSET)[0]
+    return value
+
+
+__all__ = [
+    "FAULTED_OFFSET",
+    "MADV_POPULATE_WRITE",
+    "base_address",
+    "faulted",
+    "populate_write",
+    "publish_faulted",
+]
