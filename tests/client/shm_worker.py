@@ -7,8 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
@@ -56,6 +59,26 @@ def race(endpoint: str, seed: int, rounds: int) -> None:
                 raise SystemExit(1)
     store.close()
     print(json.dumps({"served": served, "stored": stored}), flush=True)
+
+
+def run_races(endpoint: str, processes: int, rounds: int) -> list[dict[str, Any]]:
+    """`race` in that many client processes at once (seeds 0..processes-1); each one's report, after
+    checking that every process exited cleanly (a wrong byte served makes it exit 1)."""
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.client.shm_worker", "race", endpoint, str(seed), str(rounds)],
+            cwd=Path(__file__).resolve().parents[2],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(processes)
+    ]
+    reports = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, (out + err).decode(errors="replace")[-2000:]
+        reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return reports
 
 
 def reserve_and_hang(endpoint: str) -> None:

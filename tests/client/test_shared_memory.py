@@ -4,7 +4,6 @@ falling back to the inline path (logged once) whenever the arena cannot be mappe
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -23,6 +22,7 @@ from tests.net import wait_until
 from tests.store_process import REPO, StoreProcess
 
 from .conftest import ClientFactory, StoreFactory
+from .shm_worker import run_races
 
 SIZES = [0, 1, 63, 64, 65, 4095, 4096, (64 << 10) + 7, 1 << 20]
 
@@ -136,22 +136,8 @@ def test_racing_processes_are_only_ever_served_the_right_bytes(start_store: Stor
     """Three processes put and get content-derived values in a store far smaller than the key space,
     so slots are evicted and reused under them all the time; every served byte is checked."""
     store = start_store("--capacity", "600KiB")
-    if True:
-        workers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.client.shm_worker", "race", store.endpoint, str(seed), "150"],
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for seed in range(3)
-        ]
-        reports = []
-        for worker in workers:
-            out, err = worker.communicate(timeout=300)
-            assert worker.returncode == 0, (out + err).decode(errors="replace")[-2000:]
-            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
-        stats = _stats(store.endpoint)
+    reports = run_races(store.endpoint, processes=3, rounds=150)
+    stats = _stats(store.endpoint)
     assert all(r["served"] > 0 and r["stored"] > 0 for r in reports), reports
     assert stats.evictions > 0 and stats.reserved_bytes == 0
     assert stats.used_bytes <= 600 << 10

@@ -5,7 +5,6 @@ replica reading the same blocks inline."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClien
 from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.staging import StagedAddress
 
+from tests.client.shm_worker import run_races
 from tests.descriptors import namespace
 from tests.net import wait_until
 from tests.store_process import REPO
@@ -294,21 +294,7 @@ def test_racing_processes_over_a_small_staging_arena_are_served_only_exact_bytes
 ) -> None:
     """Three client processes put and get content-derived values through a 2 MiB staging arena, so
     slots are freed and handed out again under their feet; each checks every byte it is served."""
-    endpoint = f"127.0.0.1:{small_staging.port}"
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.client.shm_worker", "race", endpoint, str(seed), "100"],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for seed in range(3)
-    ]
-    reports = []
-    for worker in workers:
-        out, err = worker.communicate(timeout=300)
-        assert worker.returncode == 0, (out + err).decode(errors="replace")[-2000:]
-        reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+    reports = run_races(f"127.0.0.1:{small_staging.port}", processes=3, rounds=100)
     assert all(r["served"] > 0 and r["stored"] > 0 for r in reports), reports
     assert _reserved(small_staging) == 0
 
