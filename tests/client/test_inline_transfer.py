@@ -22,8 +22,8 @@ def test_a_batch_of_many_messages_round_trips_byte_exact(
     start_store: StoreFactory, make_client: ClientFactory
 ) -> None:
     own_store = start_store()
-    client = make_client(own_store.endpoint, tenant="inline-exact")
-    assert client.open()
+    client = make_client(own_store.endpoint, tenant="inline-exact", data_path="inline")
+    assert client.open() and client.data_path == "inline"
     items = [(0, hashlib.sha256(b"k%d" % i).digest(), _value(i, size), b"") for i, size in enumerate(SIZES)]
     assert client.put(items) == [pb.STORED] * len(items)
     lookup = client.lookup([(g, k, b"") for g, k, _, _ in items], lease_ms=30_000)
