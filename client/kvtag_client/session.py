@@ -494,6 +494,7 @@ class Session:
             return
         self._closed.set()
         self._wake.set()
+        self._release_wake.set()
         with self._lock:
             session_id = self.session_id if self.state is StoreState.CONNECTED else ""
         if session_id:
@@ -502,6 +503,8 @@ class Session:
                     pb.CloseSessionRequest(session_id=session_id), timeout=min(self.rpc_timeout_s, 0.5)
                 )
         self._thread.join(timeout=self.rpc_timeout_s + 1.0)
+        if self._releaser is not None:  # its call in flight must end before the channel closes
+            self._releaser.join(timeout=self.rpc_timeout_s + 1.0)
         with self._lock:
             if self._arena is not None:
                 self._arena.close()

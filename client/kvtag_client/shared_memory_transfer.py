@@ -180,9 +180,11 @@ class SharedMemoryTransfer(Calls):
         self._release_wake.set()
 
     def _release_forever(self) -> None:
-        while not self._closed.is_set():
+        while True:
             self._release_wake.wait(1.0)
             self._release_wake.clear()
+            if self._closed.is_set():  # CloseSession releases what is still pending
+                return
             with self._lock:
                 lease_ids, self._pending_releases = tuple(self._pending_releases), []
             if lease_ids:

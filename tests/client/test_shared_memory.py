@@ -306,3 +306,21 @@ def test_a_large_mixed_put_keeps_every_result_in_its_place(
     )
     assert client.counters.put_stored - before == 8
     assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
+
+
+def test_closing_a_client_right_after_its_gets_leaves_no_thread_failing_on_the_closed_channel(
+    shared_store: StoreProcess, make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() ends the background releaser before it closes the channel: a release still pending
+    must not be sent on a closed channel (CloseSession releases the session's leases anyway)."""
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    items = [(0, f"close-{n}".encode(), os.urandom(4096), b"") for n in range(8)]
+    for round_ in range(20):
+        client = _shm_client(make_client, shared_store.endpoint, tenant="close-race")
+        if round_ == 0:
+            assert client.put(items) == [pb.STORED] * len(items)
+        assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
+        client.close()
+        assert client._releaser is None or not client._releaser.is_alive()
+    assert failures == []
