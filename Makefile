@@ -45,7 +45,7 @@ $(STAMPS)/vllm: $(LOCK) requirements/vllm-alias/pyproject.toml client/pyproject.
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(LOCK)
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation ./requirements/vllm-alias
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e proto -e client
-	$(VLLM_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 \
+	$(VLLM_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 xxhash==4.1.0 \
 	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17 pytest-cov==7.1.0 coverage==7.17.3
 	touch $@
 

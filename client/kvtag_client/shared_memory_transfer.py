@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import xxhash
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls, Leases
@@ -19,17 +20,35 @@ from kvtag_client.shared_memory import ArenaMapping
 class SharedPut:
     """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
     into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
-    (ALREADY_PRESENT, CONFLICT, REJECTED)."""
+    (ALREADY_PRESENT, CONFLICT, REJECTED). `digests[i]` is the XXH3-64 of a written slot, taken by
+    seal(i) while the bytes are still in cache; commit takes the missing ones itself."""
 
     session_id: str
     items: list[SizedItemFields]
     statuses: list[int]
     slots: list[memoryview | None]
     refs: list[pb.SharedMemoryRef | None]
+    digests: list[int | None]
+
+    def seal(self, index: int) -> None:
+        slot = self.slots[index]
+        if slot is not None:
+            self.digests[index] = value_digest(slot)
+
+    def digest(self, index: int) -> int:
+        digest = self.digests[index]
+        if digest is None:
+            slot = self.slots[index]
+            digest = self.digests[index] = value_digest(slot) if slot is not None else 0
+        return digest
 
     @property
     def nbytes(self) -> int:
         return sum(slot.nbytes for slot in self.slots if slot is not None)
+
+
+# The store's checksum (CommitSlotsRequest.xxh3_64, GetReference.xxh3_64). It releases the GIL.
+value_digest = xxhash.xxh3_64_intdigest
 
 
 class SharedMemoryTransfer(Calls):
@@ -82,7 +101,7 @@ class SharedMemoryTransfer(Calls):
             with self._lock:
                 self.counters.put_dropped += len(items)
             return None
-        return SharedPut(session_id, list(items), statuses, slots, refs)
+        return SharedPut(session_id, list(items), statuses, slots, refs, [None] * len(items))
 
     def commit(self, reservation: SharedPut) -> list[int] | None:
         """Make the written slots of a reservation visible; a PutStatus per item, or None when the
@@ -96,9 +115,15 @@ class SharedMemoryTransfer(Calls):
             for start in range(0, len(pending), chunk_size):
                 chunk = pending[start : start + chunk_size]
                 generations = [ref.generation for n in chunk if (ref := reservation.refs[n]) is not None]
+                digests = [reservation.digest(n) for n in chunk]
 
-                def rpc(sid: str, timeout: float, generations: list[int] = generations) -> list[int]:
-                    request = pb.CommitSlotsRequest(session_id=sid, generations=generations)
+                def rpc(
+                    sid: str,
+                    timeout: float,
+                    generations: list[int] = generations,
+                    digests: list[int] = digests,
+                ) -> list[int]:
+                    request = pb.CommitSlotsRequest(session_id=sid, generations=generations, xxh3_64=digests)
                     response: pb.PutResponse = self._stub.CommitSlots(request, timeout=timeout)
                     return [r.status for r in response.results]
 
@@ -139,13 +164,16 @@ class SharedMemoryTransfer(Calls):
                 def rpc(
                     sid: str, timeout: float, refs: list[pb.BlockRef] = refs, last: bool = last
                 ) -> pb.GetReferencesResponse:
-                    request = pb.GetRequest(session_id=sid, blocks=refs, lease_id=attached if last else "")
+                    request = pb.GetRequest(
+                        session_id=sid, blocks=refs, lease_id=attached if last else "", verify_in_client=True
+                    )
                     response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
                     return response
 
                 response = self._call(deadline, rpc)
+                corrupted: list[pb.BlockRef] = []
                 try:
-                    for n, result in zip(chunk, response.results, strict=False):
+                    for n, result, block_ref in zip(chunk, response.results, refs, strict=False):
                         if result.status != pb.HIT or not result.HasField("slot"):
                             continue
                         ref = result.slot
@@ -153,11 +181,18 @@ class SharedMemoryTransfer(Calls):
                             source = arena.slot(ref)
                         except ValueError:
                             continue
-                        if arena.current(ref) and sink(n, source) and arena.current(ref):
-                            served[n] = True
+                        if not (arena.current(ref) and sink(n, source) and arena.current(ref)):
+                            continue
+                        # Verified after the copy, from the cache it just warmed: the one read of the value.
+                        if result.HasField("xxh3_64") and value_digest(source) != result.xxh3_64:
+                            corrupted.append(block_ref)
+                            continue
+                        served[n] = True
                 finally:
                     if response.lease.lease_id:
                         self._release_soon(response.lease.lease_id)
+                if corrupted:
+                    self._report_corrupted(deadline, corrupted)
             if len(leases) > 1:
                 self.release(leases)
         except _CallFailed:
@@ -166,6 +201,21 @@ class SharedMemoryTransfer(Calls):
         with self._lock:
             self.counters.get_failed += served.count(False)
         return served
+
+    def _report_corrupted(self, deadline: _Deadline, blocks: list[pb.BlockRef]) -> None:
+        """Ask again, unverified, for blocks whose copy failed its digest: the service then checks them
+        itself and drops the corrupted values (MISS, corrupted_dropped), so the next save re-stores
+        them instead of finding them ALREADY_PRESENT. The copies stay unserved either way."""
+
+        def rpc(sid: str, timeout: float) -> pb.GetReferencesResponse:
+            response: pb.GetReferencesResponse = self._stub.GetReferences(
+                pb.GetRequest(session_id=sid, blocks=blocks), timeout=timeout
+            )
+            return response
+
+        response = self._call(deadline, rpc)
+        if response.lease.lease_id:
+            self._release_soon(response.lease.lease_id)
 
     def _release_soon(self, lease_id: str) -> None:
         """Release a read lease without waiting: one long-lived thread sends the pending ids in batches

@@ -361,16 +361,27 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc(intake.COMMIT_SLOTS)
     def CommitSlots(self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext) -> pb.PutResponse:
-        """Shared-memory Put, step 2: checksum, tag and insert the written slots the session reserved."""
+        """Shared-memory Put, step 2: checksum (or take the client's digests), tag and insert the written
+        slots the session reserved."""
         session = self._session(request.session_id, context, "CommitSlots")
         validation.batch_size("generations", len(request.generations), self.limits)
         generations = list(request.generations)
+        sent_digests = list(request.xxh3_64)
+        if sent_digests and len(sent_digests) != len(generations):
+            raise errors.invalid_request(
+                f"xxh3_64 has {len(sent_digests)} digests for {len(generations)} generations: send one "
+                "per generation, in the same order, or none",
+                "xxh3_64",
+            )
         held = self.sessions.take_reservations(session, generations)
         claimed = [g for g, ok in zip(generations, held, strict=True) if ok]
+        digests = [d for d, ok in zip(sent_digests, held, strict=True) if ok] if sent_digests else None
         outcomes: list[PutResult] = []
         stored_bytes = 0
         if claimed and self.arenas is not None:
-            outcomes, stored_bytes = self.arenas.commit(session.namespace_id, session.mode_id, claimed)
+            outcomes, stored_bytes = self.arenas.commit(
+                session.namespace_id, session.mode_id, claimed, digests
+            )
         committed = iter(outcomes)
         results = [next(committed) if ok else _NOT_RESERVED for ok in held]
         self._tally_puts(session, Counter(r.outcome for r in results), stored_bytes)
@@ -658,7 +669,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             raise errors.data_path_not_negotiated("GetReferences")
         addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         ns_id = session.namespace_id
-        statuses, references, pinned = self.arenas.get_references(ns_id, session.mode_id, addresses)
+        statuses, references, pinned = self.arenas.get_references(
+            ns_id, session.mode_id, addresses, verify=not request.verify_in_client
+        )
         if request.lease_id:
             self._unpin(self.sessions.release(session, [request.lease_id]))
         response = pb.GetReferencesResponse()
@@ -672,6 +685,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
                 slot.offset = reference.offset
                 slot.length = reference.length
                 slot.generation = reference.generation
+                if reference.digest is not None:
+                    result.xxh3_64 = reference.digest
                 served += reference.length
         if pinned:
             lease_ms = self.config.default_lease_ms

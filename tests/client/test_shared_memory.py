@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_client.store import StoreClient
@@ -324,3 +325,62 @@ def test_closing_a_client_right_after_its_gets_leaves_no_thread_failing_on_the_c
         client.close()
         assert client._releaser is None or not client._releaser.is_alive()
     assert failures == []
+
+
+def test_a_value_corrupted_in_the_arena_is_caught_by_the_readers_copy_dropped_and_stored_again(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """The client checks its copy against the committed digest (the service does not read the value
+    for it), discards a mismatch and has the service drop the value, so a later save stores it anew."""
+    store = start_store()
+    client = _shm_client(make_client, store.endpoint, tenant="corrupt")
+    good, bad = os.urandom(8192), os.urandom(8192)
+    assert client.put([(0, b"good", good, b""), (0, b"bad", bad, b"")]) == [pb.STORED, pb.STORED]
+    arena = client._shared_arena()
+    assert arena is not None
+    answer = client._stub.GetReferences(
+        pb.GetRequest(session_id=client.session_id, blocks=[pb.BlockRef(key=b"bad")], verify_in_client=True),
+        timeout=10,
+    )
+    [reference] = answer.results
+    assert reference.xxh3_64 == xxhash.xxh3_64_intdigest(bad), "the digest the client committed"
+    arena.slot(reference.slot)[4000] ^= 0x01  # a stray write through the shared mapping
+    client.release((answer.lease.lease_id,))
+
+    assert client.get([(0, b"good"), (0, b"bad")]) == [good, None]
+    assert _stats(store.endpoint).corrupted_dropped == 1
+    assert client.lookup([(0, b"bad", b"")]).prefix_length == 0
+    assert client.put([(0, b"bad", bad, b"")]) == [pb.STORED]
+    assert client.get([(0, b"bad")]) == [bad]
+
+
+def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    """CommitSlots takes the writer's digests instead of reading the values back. A wrong digest makes
+    the value fail its first read (dropped, MISS) on both Get forms; a digest list of the wrong length
+    is INVALID_ARGUMENT and commits nothing."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant="digests")
+    reservation = client.reserve([(0, b"liar", 4, b""), (0, b"honest", 6, b"")])
+    assert reservation is not None and None not in reservation.refs
+    for slot, value in zip(reservation.slots, (b"liar", b"honest"), strict=True):
+        assert slot is not None
+        slot[:] = value
+    generations = [ref.generation for ref in reservation.refs if ref is not None]
+    with pytest.raises(grpc.RpcError) as refused:
+        client._stub.CommitSlots(
+            pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=[1]),
+            timeout=10,
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one per generation" in str(refused.value.details())
+    digests = [xxhash.xxh3_64_intdigest(b"liar") ^ 1, xxhash.xxh3_64_intdigest(b"honest")]
+    committed = client._stub.CommitSlots(
+        pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=digests),
+        timeout=10,
+    )
+    assert [r.status for r in committed.results] == [pb.STORED, pb.STORED]
+    before = _stats(shared_store.endpoint).corrupted_dropped
+    assert client.get([(0, b"liar"), (0, b"honest")]) == [None, b"honest"]
+    assert _stats(shared_store.endpoint).corrupted_dropped == before + 1
+    assert client.lookup([(0, b"liar", b"")]).prefix_length == 0

@@ -136,13 +136,17 @@ class SharedMemoryBackend(Protocol):
     ) -> list[SlotReference | PutResult]: ...
 
     def commit(
-        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        generations: Sequence[int],
+        digests: Sequence[int] | None = None,
     ) -> tuple[list[PutResult], int]: ...
 
     def cancel(self, generations: Iterable[int]) -> None: ...
 
     def get_references(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]: ...
 
 

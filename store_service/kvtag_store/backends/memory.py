@@ -210,6 +210,8 @@ class SlotReference:
     offset: int
     length: int
     generation: int
+    # The committed XXH3-64, when the reader verifies its own copy (get_references(verify=False)).
+    digest: int | None = None
 
 
 class MemoryBackend:
@@ -382,11 +384,16 @@ class MemoryBackend:
         return out
 
     def commit(
-        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        generations: Sequence[int],
+        digests: Sequence[int] | None = None,
     ) -> tuple[list[PutResult], int]:
         """Shared-memory Put, step 2: the reserved slots (by generation) the client wrote. Each value is
-        checksummed now and becomes visible only by its insert. Returns a result per generation and
-        the bytes newly stored."""
+        checksummed now, unless the writer sent `digests` (one per generation), and becomes visible
+        only by its insert. A wrong client digest is caught by the first read's verification.
+        Returns a result per generation and the bytes newly stored."""
         with self._lock:
             taken: list[_Reservation | None] = []
             for generation in generations:
@@ -397,11 +404,12 @@ class MemoryBackend:
                 del self._reservations[generation]
                 taken.append(reservation)
             ns = self._ns(namespace_id)
-        view = ns.arena.view
-        digests = [
-            checksum(view[r.slot.offset : r.slot.offset + r.slot.length]) if r is not None else 0
-            for r in taken
-        ]
+        if digests is None:
+            view = ns.arena.view
+            digests = [
+                checksum(view[r.slot.offset : r.slot.offset + r.slot.length]) if r is not None else 0
+                for r in taken
+            ]
         stored = 0
         results: list[PutResult] = []
         with self._lock:
@@ -706,14 +714,25 @@ class MemoryBackend:
         return results, pinned
 
     def get_references(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
-        """Shared-memory Get: statuses, a reference per verified hit and the pinned addresses, which the
-        caller holds under a lease until the reader released them (unpin). Checksums are checked in
-        place; a failing value is dropped and answered as a MISS, like get."""
-        statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+        """Shared-memory Get: statuses, a reference per hit and the pinned addresses, which the caller
+        holds under a lease until the reader released them (unpin). With `verify`, checksums are
+        checked in place and a failing value is dropped and answered as a MISS, like get. Without
+        it each reference carries the committed digest for the reader to check its copy against:
+        the value is read once, by the reader, instead of once here and again there."""
+        if verify:
+            statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+        else:
+            statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
         references = [
-            SlotReference(e.arena.segment, e.slot.offset, e.slot.length, e.slot.generation)
+            SlotReference(
+                e.arena.segment,
+                e.slot.offset,
+                e.slot.length,
+                e.slot.generation,
+                None if verify else e.checksum,
+            )
             if e is not None
             else None
             for e in found

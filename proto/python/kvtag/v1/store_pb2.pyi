@@ -254,12 +254,14 @@ class SlotGrant(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reason: _Optional[str] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class CommitSlotsRequest(_message.Message):
-    __slots__ = ("session_id", "generations")
+    __slots__ = ("session_id", "generations", "xxh3_64")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    xxh3_64: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ("grants",)
@@ -276,12 +278,14 @@ class GetReferencesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[GetReference, _Mapping]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class GetReference(_message.Message):
-    __slots__ = ("status", "slot")
+    __slots__ = ("status", "slot", "xxh3_64")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
     status: KeyStatus
     slot: SharedMemoryRef
-    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
+    xxh3_64: int
+    def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., xxh3_64: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -392,14 +396,16 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "lease_id")
+    __slots__ = ("session_id", "blocks", "lease_id", "verify_in_client")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_IN_CLIENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     lease_id: str
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    verify_in_client: bool
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[str] = ..., verify_in_client: _Optional[bool] = ...) -> None: ...
 
 class GetResult(_message.Message):
     __slots__ = ("status", "value")

@@ -212,8 +212,9 @@ class KvStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitSlots(self, request, context):
-        """Shared-memory Put, step 2: the service checksums and tags the written
-        slots; only then are the values visible. One PutResult per generation,
+        """Shared-memory Put, step 2: the service checksums (or records the
+        client's digests) and tags the written slots; only then are the values
+        visible. One PutResult per generation,
         in order; a slot this session did not reserve (or already committed) is
         REJECTED.
         """

@@ -684,11 +684,16 @@ class MooncakeBackend:
         return [r if r is not None else _STAGING_FULL for r in out]
 
     def commit(
-        self, namespace_id: str, mode_id: str, generations: Sequence[int]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        generations: Sequence[int],
+        digests: Sequence[int] | None = None,
     ) -> tuple[list[PutResult], int]:
         """Shared-memory Put, step 2: each written slot is checksummed, given its header in place and put
         into the cluster straight from the arena (one batch_put_from_multi_buffers), then judged by
-        its stored header like any put. The slots are free again afterwards, whatever happened."""
+        its stored header like any put. The slots are free again afterwards, whatever happened.
+        Client `digests` are not used: the stored header carries this backend's own CRC."""
         taken: list[tuple[str, BlockAddress, Staged] | None] = []
         with self._reserved_lock:
             for generation in generations:
@@ -766,10 +771,12 @@ class MooncakeBackend:
             return sum(staged.length for _, _, staged in self._reservations.values())
 
     def get_references(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
         """Shared-memory Get: each value read from the cluster straight into a staging slot (one
-        batch_get_into_multi_buffers), verified there (tag, address, length, CRC) and referenced. The
+        batch_get_into_multi_buffers), verified there (tag, address, length, CRC) and referenced,
+        whatever `verify` says: the header is checked as the value arrives, so references carry no
+        digest for the reader. The
         pinned addresses carry their slots (StagedAddress): releasing the lease frees them. A value
         the staging arena has no room for is answered MISS; the engine recomputes it."""
         statuses = [KeyStatus.MISS] * len(addresses)
