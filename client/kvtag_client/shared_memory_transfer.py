@@ -47,6 +47,11 @@ class SharedPut:
         return sum(slot.nbytes for slot in self.slots if slot is not None)
 
 
+# How long a read lease waits for the next GetReferences to carry its release before the
+# releaser thread sends it alone: a get in a steady stream then costs one RPC, and a pin
+# outlives its copy by at most this much.
+_RELEASE_DELAY_S = 0.02
+
 # The store's checksum (CommitSlotsRequest.xxh3_64, GetReference.xxh3_64). It releases the GIL.
 value_digest = xxhash.xxh3_64_intdigest
 
@@ -154,23 +159,33 @@ class SharedMemoryTransfer(Calls):
         size = self._batch_size()
         chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
         deadline = _Deadline(self.rpc_timeout_s)
-        # One lease goes with the last message; several are released after it.
+        # One lease goes with the last message; several are released after it. Without one, the
+        # first message carries the release of an earlier get's read lease (saves a ReleaseLeases).
         attached = leases[0] if len(leases) == 1 else ""
+        carried = "" if attached else self._take_pending_release()
         try:
             for c, chunk in enumerate(chunks):
                 last = c == len(chunks) - 1
                 refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
+                lease_id = attached if last else ""
+                if carried and c == 0:
+                    lease_id = carried
 
                 def rpc(
-                    sid: str, timeout: float, refs: list[pb.BlockRef] = refs, last: bool = last
+                    sid: str, timeout: float, refs: list[pb.BlockRef] = refs, lease_id: str = lease_id
                 ) -> pb.GetReferencesResponse:
                     request = pb.GetRequest(
-                        session_id=sid, blocks=refs, lease_id=attached if last else "", verify_in_client=True
+                        session_id=sid, blocks=refs, lease_id=lease_id, verify_in_client=True
                     )
                     response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
                     return response
 
-                response = self._call(deadline, rpc)
+                try:
+                    response = self._call(deadline, rpc)
+                except _CallFailed:
+                    if c == 0 and carried:
+                        self._release_soon(carried)  # not delivered: the releaser sends it
+                    raise
                 corrupted: list[pb.BlockRef] = []
                 try:
                     for n, result, block_ref in zip(chunk, response.results, refs, strict=False):
@@ -217,9 +232,14 @@ class SharedMemoryTransfer(Calls):
         if response.lease.lease_id:
             self._release_soon(response.lease.lease_id)
 
+    def _take_pending_release(self) -> str:
+        with self._lock:
+            return self._pending_releases.pop() if self._pending_releases else ""
+
     def _release_soon(self, lease_id: str) -> None:
-        """Release a read lease without waiting: one long-lived thread sends the pending ids in batches
-        (a grpc future per release would start a polling thread each time: ~ms per Get here)."""
+        """Release a read lease without waiting: the next GetReferences carries it, or after
+        _RELEASE_DELAY_S one long-lived thread sends the pending ids in batches (a grpc future per
+        release would start a polling thread each time: ~ms per Get here)."""
         with self._lock:
             self._pending_releases.append(lease_id)
             if self._releaser is None:
@@ -233,8 +253,8 @@ class SharedMemoryTransfer(Calls):
         while True:
             self._release_wake.wait(1.0)
             self._release_wake.clear()
-            if self._closed.is_set():  # CloseSession releases what is still pending
-                return
+            if self._closed.is_set() or self._closed.wait(_RELEASE_DELAY_S):
+                return  # CloseSession releases what is still pending
             with self._lock:
                 lease_ids, self._pending_releases = tuple(self._pending_releases), []
             if lease_ids:

@@ -291,6 +291,30 @@ def test_read_leases_are_released_soon_after_each_get_without_waiting_for_expiry
     assert releasers() - before <= 1, "one releaser thread per client, not one per release"
 
 
+def test_a_stream_of_gets_carries_each_read_lease_release_on_the_next_get(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """Each GetReferences carries the release of the previous get's read lease (GetRequest.lease_id),
+    so back-to-back gets send almost no ReleaseLeases of their own, and still nothing stays pinned."""
+    store = start_store("--lease-ms", "60000")
+    client = _shm_client(make_client, store.endpoint, tenant="carried")
+    items = [(0, f"c-{n}".encode(), os.urandom(4096), b"") for n in range(8)]
+    assert client.put(items) == [pb.STORED] * len(items)
+    sent: list[tuple[str, ...]] = []
+    release = client.release
+
+    def counted(lease_ids: tuple[str, ...]) -> None:
+        sent.append(lease_ids)
+        release(lease_ids)
+
+    client.release = counted  # type: ignore[method-assign]
+    for _ in range(30):
+        assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
+    wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 10, "the last lease's release")
+    released_alone = sum(len(ids) for ids in sent)
+    assert released_alone <= 2, f"{released_alone} of 30 read leases needed a ReleaseLeases of their own"
+
+
 def test_a_large_mixed_put_keeps_every_result_in_its_place(
     shared_store: StoreProcess, make_client: ClientFactory
 ) -> None:
