@@ -307,7 +307,7 @@ def test_a_stream_of_gets_carries_each_read_lease_release_on_the_next_get(
         sent.append(lease_ids)
         release(lease_ids)
 
-    client.release = counted  # type: ignore[method-assign]
+    client.release = counted  # type: ignore[method-assign,assignment]
     for _ in range(30):
         assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
     wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 10, "the last lease's release")
