@@ -78,17 +78,16 @@ class SharedMemoryTransfer(Calls):
         try:
             for start in range(0, len(sendable), size):
                 chunk = sendable[start : start + size]
-                request_items = [
-                    pb.SlotRequest(
-                        block=self._block_ref(items[n][0], items[n][1], items[n][3]), length=items[n][2]
-                    )
-                    for n in chunk
-                ]
+                reserve_request = pb.ReserveSlotsRequest()
+                add = reserve_request.items.add
+                for n in chunk:
+                    group, key, length, base_key = items[n]
+                    self._set_block(add(length=length).block, group, key, base_key)
 
                 def rpc(
-                    sid: str, timeout: float, request_items: list[pb.SlotRequest] = request_items
+                    sid: str, timeout: float, request: pb.ReserveSlotsRequest = reserve_request
                 ) -> tuple[str, pb.ReserveSlotsResponse]:
-                    request = pb.ReserveSlotsRequest(session_id=sid, items=request_items)
+                    request.session_id = sid
                     return sid, self._stub.ReserveSlots(request, timeout=timeout)
 
                 session_id, response = self._call(deadline, rpc)
@@ -166,17 +165,17 @@ class SharedMemoryTransfer(Calls):
         try:
             for c, chunk in enumerate(chunks):
                 last = c == len(chunks) - 1
-                refs = [self._block_ref(blocks[n][0], blocks[n][1]) for n in chunk]
-                lease_id = attached if last else ""
+                get_request = pb.GetRequest(lease_id=attached if last else "", verify_in_client=True)
                 if carried and c == 0:
-                    lease_id = carried
+                    get_request.lease_id = carried
+                add = get_request.blocks.add
+                for n in chunk:
+                    self._set_block(add(), blocks[n][0], blocks[n][1])
 
                 def rpc(
-                    sid: str, timeout: float, refs: list[pb.BlockRef] = refs, lease_id: str = lease_id
+                    sid: str, timeout: float, request: pb.GetRequest = get_request
                 ) -> pb.GetReferencesResponse:
-                    request = pb.GetRequest(
-                        session_id=sid, blocks=refs, lease_id=lease_id, verify_in_client=True
-                    )
+                    request.session_id = sid
                     response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
                     return response
 
@@ -186,9 +185,9 @@ class SharedMemoryTransfer(Calls):
                     if c == 0 and carried:
                         self._release_soon(carried)  # not delivered: the releaser sends it
                     raise
-                corrupted: list[pb.BlockRef] = []
+                corrupted: list[int] = []
                 try:
-                    for n, result, block_ref in zip(chunk, response.results, refs, strict=False):
+                    for n, result in zip(chunk, response.results, strict=False):
                         if result.status != pb.HIT or not result.HasField("slot"):
                             continue
                         ref = result.slot
@@ -200,14 +199,14 @@ class SharedMemoryTransfer(Calls):
                             continue
                         # Verified after the copy, from the cache it just warmed: the one read of the value.
                         if result.HasField("xxh3_64") and value_digest(source) != result.xxh3_64:
-                            corrupted.append(block_ref)
+                            corrupted.append(n)
                             continue
                         served[n] = True
                 finally:
                     if response.lease.lease_id:
                         self._release_soon(response.lease.lease_id)
                 if corrupted:
-                    self._report_corrupted(deadline, corrupted)
+                    self._report_corrupted(deadline, [blocks[n] for n in corrupted])
             if len(leases) > 1:
                 self.release(leases)
         except _CallFailed:
@@ -217,15 +216,16 @@ class SharedMemoryTransfer(Calls):
             self.counters.get_failed += served.count(False)
         return served
 
-    def _report_corrupted(self, deadline: _Deadline, blocks: list[pb.BlockRef]) -> None:
+    def _report_corrupted(self, deadline: _Deadline, blocks: list[tuple[int, bytes]]) -> None:
         """Ask again, unverified, for blocks whose copy failed its digest: the service then checks them
         itself and drops the corrupted values (MISS, corrupted_dropped), so the next save re-stores
         them instead of finding them ALREADY_PRESENT. The copies stay unserved either way."""
 
         def rpc(sid: str, timeout: float) -> pb.GetReferencesResponse:
-            response: pb.GetReferencesResponse = self._stub.GetReferences(
-                pb.GetRequest(session_id=sid, blocks=blocks), timeout=timeout
-            )
+            request = pb.GetRequest(session_id=sid)
+            for group, key in blocks:
+                self._set_block(request.blocks.add(), group, key)
+            response: pb.GetReferencesResponse = self._stub.GetReferences(request, timeout=timeout)
             return response
 
         response = self._call(deadline, rpc)
