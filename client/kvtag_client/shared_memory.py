@@ -92,12 +92,15 @@ class ArenaMapping:
 
     def slot(self, ref: pb.SharedMemoryRef) -> memoryview:
         """The value bytes a reference names; ValueError when it does not lie inside this arena."""
-        end = ref.offset + ref.length
-        if ref.segment != self.segment or ref.offset < _FIRST_VALUE or end > self.size:
-            raise ValueError(f"reference outside the mapped arena: {ref.segment} [{ref.offset}, {end})")
+        return self.slot_at(ref.segment, ref.offset, ref.length)
+
+    def slot_at(self, segment: str, offset: int, length: int) -> memoryview:
+        end = offset + length
+        if segment != self.segment or offset < _FIRST_VALUE or end > self.size:
+            raise ValueError(f"reference outside the mapped arena: {segment} [{offset}, {end})")
         if self._populate:
-            self._map_extents(ref.offset - 64, end)
-        return self.view[ref.offset : end]
+            self._map_extents(offset - 64, end)
+        return self.view[offset:end]
 
     def _map_extents(self, start: int, end: int) -> None:
         """Map the extents of [start, end) into this process once each, ahead of the copy."""
@@ -112,7 +115,7 @@ class ArenaMapping:
                 return
             self._populated.add(extent)
 
-    def current(self, ref: pb.SharedMemoryRef) -> bool:
-        """True while the slot still holds the generation the reference was issued for."""
-        generation: int = _GENERATION.unpack_from(self._mmap, ref.offset - 8)[0]
-        return generation == ref.generation
+    def current(self, offset: int, generation: int) -> bool:
+        """True while the slot at `offset` still holds the generation its reference was issued for."""
+        held: int = _GENERATION.unpack_from(self._mmap, offset - 8)[0]
+        return held == generation

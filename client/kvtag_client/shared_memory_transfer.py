@@ -12,6 +12,7 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls, Leases
 from kvtag_client.items import SizedItemFields
+from kvtag_client.lookups import pack_blocks
 from kvtag_client.session import _CallFailed, _Deadline
 from kvtag_client.shared_memory import ArenaMapping
 
@@ -168,9 +169,9 @@ class SharedMemoryTransfer(Calls):
                 get_request = pb.GetRequest(lease_id=attached if last else "", verify_in_client=True)
                 if carried and c == 0:
                     get_request.lease_id = carried
-                add = get_request.blocks.add
-                for n in chunk:
-                    self._set_block(add(), blocks[n][0], blocks[n][1])
+                add = get_request.packed_blocks.add
+                for run in pack_blocks([(blocks[n][0], blocks[n][1], b"") for n in chunk]):
+                    add(key_length=run.key_length, keys=run.keys, group=run.group)
 
                 def rpc(
                     sid: str, timeout: float, request: pb.GetRequest = get_request
@@ -187,18 +188,24 @@ class SharedMemoryTransfer(Calls):
                     raise
                 corrupted: list[int] = []
                 try:
-                    for n, result in zip(chunk, response.results, strict=False):
-                        if result.status != pb.HIT or not result.HasField("slot"):
-                            continue
-                        ref = result.slot
+                    packed = response.packed
+                    hits = [n for n, status in zip(chunk, packed.statuses, strict=False) if status == pb.HIT]
+                    segment, digests = packed.segment, list(packed.xxh3_64)
+                    for h, (n, offset, length, generation) in enumerate(
+                        zip(hits, packed.offsets, packed.lengths, packed.generations, strict=False)
+                    ):
                         try:
-                            source = arena.slot(ref)
+                            source = arena.slot_at(segment, offset, length)
                         except ValueError:
                             continue
-                        if not (arena.current(ref) and sink(n, source) and arena.current(ref)):
+                        if not (
+                            arena.current(offset, generation)
+                            and sink(n, source)
+                            and arena.current(offset, generation)
+                        ):
                             continue
                         # Verified after the copy, from the cache it just warmed: the one read of the value.
-                        if result.HasField("xxh3_64") and value_digest(source) != result.xxh3_64:
+                        if digests and (h >= len(digests) or value_digest(source) != digests[h]):
                             corrupted.append(n)
                             continue
                         served[n] = True

@@ -35,7 +35,7 @@ from kvtag_store.backends.base import (
     ReadResult,
     SharedMemoryBackend,
 )
-from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend, SlotReference
 from kvtag_store.census import Census
 from kvtag_store.config import ServiceConfig
 from kvtag_store.crossmode import BaseKeyIndex
@@ -624,6 +624,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         """Results of a Get and what they pinned. With `views` (the memory backend only) the values are
         views of their slots, pinned until the caller unpins them; otherwise copies, nothing pinned."""
         session = self._session(request.session_id, context, rpc)
+        if request.packed_blocks:
+            raise errors.invalid_request(
+                f"packed_blocks is for GetReferences (the shared-memory path); {rpc} takes blocks",
+                "packed_blocks",
+            )
         addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         pinned: Sequence[BlockAddress] = ()
         if views and isinstance(self.backend, MemoryBackend):
@@ -667,7 +672,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         session = self._session(request.session_id, context, "GetReferences")
         if not session.shared_memory or self.arenas is None:
             raise errors.data_path_not_negotiated("GetReferences")
-        addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
+        if request.packed_blocks:
+            validation.packed_blocks(request, self.limits, "GetReferences")
+            addresses = wire.packed_addresses(request.packed_blocks)
+        else:
+            addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         ns_id = session.namespace_id
         statuses, references, pinned = self.arenas.get_references(
             ns_id, session.mode_id, addresses, verify=not request.verify_in_client
@@ -675,19 +684,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if request.lease_id:
             self._unpin(self.sessions.release(session, [request.lease_id]))
         response = pb.GetReferencesResponse()
-        results = response.results
-        served = 0
-        for status, reference in zip(statuses, references, strict=True):
-            result = results.add(status=status)
-            if reference is not None:
-                slot = result.slot
-                slot.segment = reference.segment
-                slot.offset = reference.offset
-                slot.length = reference.length
-                slot.generation = reference.generation
-                if reference.digest is not None:
-                    result.xxh3_64 = reference.digest
-                served += reference.length
+        if request.packed_blocks:
+            served = _pack_references(response.packed, statuses, references)
+        else:
+            served = _list_references(response.results, statuses, references)
         if pinned:
             lease_ms = self.config.default_lease_ms
             response.lease.lease_id = self.sessions.add_lease(session, ns_id, pinned, lease_ms)
@@ -775,3 +775,40 @@ def _prefix_length(statuses: list[KeyStatus], misses: int, mismatches: int) -> i
     if mismatches:
         first = min(first, statuses.index(_MISMATCH))
     return first
+
+
+def _list_references(
+    results: Any, statuses: Sequence[KeyStatus], references: Sequence[SlotReference | None]
+) -> int:
+    """GetReferences' `results`, a message per block; returns the bytes referenced."""
+    served = 0
+    for status, reference in zip(statuses, references, strict=True):
+        result = results.add(status=status)
+        if reference is not None:
+            slot = result.slot
+            slot.segment = reference.segment
+            slot.offset = reference.offset
+            slot.length = reference.length
+            slot.generation = reference.generation
+            if reference.digest is not None:
+                result.xxh3_64 = reference.digest
+            served += reference.length
+    return served
+
+
+def _pack_references(
+    packed: pb.PackedReferences, statuses: Sequence[KeyStatus], references: Sequence[SlotReference | None]
+) -> int:
+    """GetReferences' `packed` answer: parallel arrays over the hits; returns the bytes referenced."""
+    hits = [r for r in references if r is not None]
+    packed.statuses = bytes(statuses)
+    if hits:
+        packed.segment = hits[0].segment
+        packed.offsets.extend([r.offset for r in hits])
+        lengths = [r.length for r in hits]
+        packed.lengths.extend(lengths)
+        packed.generations.extend([r.generation for r in hits])
+        if hits[0].digest is not None:
+            packed.xxh3_64.extend([r.digest or 0 for r in hits])
+        return sum(lengths)
+    return 0

@@ -130,11 +130,14 @@ def key(address_key: bytes, field: str, limits: ServiceLimits) -> None:
         raise errors.key_too_large(field, len(address_key), limits.max_key_bytes)
 
 
-def packed_blocks(request: pb.LookupRequest, limits: ServiceLimits) -> None:
-    """Check the packed form of a Lookup: whole keys of an allowed length, whole base keys, one form only."""
+def packed_blocks(
+    request: pb.LookupRequest | pb.GetRequest, limits: ServiceLimits, rpc: str = "Lookup"
+) -> None:
+    """Check the packed form of a Lookup (or GetReferences): whole keys of an allowed length, whole base
+    keys, one form only."""
     if request.blocks:
         raise errors.invalid_request(
-            "a Lookup carries either blocks or packed_blocks, not both; send all keys in one form",
+            f"a {rpc} carries either blocks or packed_blocks, not both; send all keys in one form",
             "packed_blocks",
         )
     total = 0

@@ -408,3 +408,64 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
     assert client.get([(0, b"liar"), (0, b"honest")]) == [None, b"honest"]
     assert _stats(shared_store.endpoint).corrupted_dropped == before + 1
     assert client.lookup([(0, b"liar", b"")]).prefix_length == 0
+
+
+def test_packed_get_references_answer_exactly_what_the_message_per_block_form_does(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    """GetReferences over packed_blocks: the same statuses, slots and digests as the BlockRef form, as
+    parallel arrays over the hits; one form per request, and Get refuses the packed one."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant="packed-refs")
+    stored = [
+        (group, f"p-{group}-{n}".encode(), os.urandom(100 + n), b"") for group in (0, 3) for n in range(3)
+    ]
+    assert client.put(stored) == [pb.STORED] * len(stored)
+    asked = [(0, b"p-0-0"), (0, b"absent"), (0, b"p-0-2"), (3, b"p-3-1"), (3, b"p-3-9")]
+    listed = client._stub.GetReferences(
+        pb.GetRequest(
+            session_id=client.session_id,
+            blocks=[pb.BlockRef(group=g, key=k) for g, k in asked],
+            verify_in_client=True,
+        ),
+        timeout=10,
+    )
+    runs = [
+        pb.PackedBlocks(group=0, key_length=5, keys=b"p-0-0"),
+        pb.PackedBlocks(group=0, key_length=6, keys=b"absent"),
+    ]
+    runs += [
+        pb.PackedBlocks(group=0, key_length=5, keys=b"p-0-2"),
+        pb.PackedBlocks(group=3, key_length=5, keys=b"p-3-1p-3-9"),
+    ]
+    packed = client._stub.GetReferences(
+        pb.GetRequest(session_id=client.session_id, packed_blocks=runs, verify_in_client=True), timeout=10
+    )
+    assert not packed.results and not listed.HasField("packed")
+    assert list(packed.packed.statuses) == [r.status for r in listed.results]
+    assert list(packed.packed.statuses) == [pb.HIT, pb.MISS, pb.HIT, pb.HIT, pb.MISS]
+    hits = [r for r in listed.results if r.status == pb.HIT]
+    assert {r.slot.segment for r in hits} == {packed.packed.segment}
+    assert list(packed.packed.offsets) == [r.slot.offset for r in hits]
+    assert list(packed.packed.lengths) == [r.slot.length for r in hits] == [100, 102, 101]
+    assert list(packed.packed.generations) == [r.slot.generation for r in hits]
+    assert list(packed.packed.xxh3_64) == [r.xxh3_64 for r in hits]
+    assert list(packed.packed.xxh3_64) == [xxhash.xxh3_64_intdigest(stored[i][2]) for i in (0, 2, 4)]
+    client.release((listed.lease.lease_id, packed.lease.lease_id))
+
+    for stub_call, request in (
+        (
+            client._stub.GetReferences,
+            pb.GetRequest(session_id=client.session_id, blocks=[pb.BlockRef(key=b"x")], packed_blocks=runs),
+        ),
+        (client._stub.Get, pb.GetRequest(session_id=client.session_id, packed_blocks=runs)),
+        (
+            client._stub.GetReferences,
+            pb.GetRequest(
+                session_id=client.session_id, packed_blocks=[pb.PackedBlocks(key_length=5, keys=b"p-0-0!")]
+            ),
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub_call(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert client.get([(g, k) for g, k, _, _ in stored]) == [v for _, _, v, _ in stored]

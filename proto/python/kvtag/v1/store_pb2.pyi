@@ -270,12 +270,14 @@ class ReserveSlotsResponse(_message.Message):
     def __init__(self, grants: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
 
 class GetReferencesResponse(_message.Message):
-    __slots__ = ("results", "lease")
+    __slots__ = ("results", "lease", "packed")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[GetReference]
     lease: Lease
-    def __init__(self, results: _Optional[_Iterable[_Union[GetReference, _Mapping]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    packed: PackedReferences
+    def __init__(self, results: _Optional[_Iterable[_Union[GetReference, _Mapping]]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., packed: _Optional[_Union[PackedReferences, _Mapping]] = ...) -> None: ...
 
 class GetReference(_message.Message):
     __slots__ = ("status", "slot", "xxh3_64")
@@ -396,16 +398,34 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("session_id", "blocks", "lease_id", "verify_in_client")
+    __slots__ = ("session_id", "blocks", "lease_id", "verify_in_client", "packed_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFY_IN_CLIENT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockRef]
     lease_id: str
     verify_in_client: bool
-    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[str] = ..., verify_in_client: _Optional[bool] = ...) -> None: ...
+    packed_blocks: _containers.RepeatedCompositeFieldContainer[PackedBlocks]
+    def __init__(self, session_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRef, _Mapping]]] = ..., lease_id: _Optional[str] = ..., verify_in_client: _Optional[bool] = ..., packed_blocks: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ...) -> None: ...
+
+class PackedReferences(_message.Message):
+    __slots__ = ("statuses", "segment", "offsets", "lengths", "generations", "xxh3_64")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    segment: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    xxh3_64: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, statuses: _Optional[bytes] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetResult(_message.Message):
     __slots__ = ("status", "value")
