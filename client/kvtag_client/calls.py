@@ -116,8 +116,13 @@ class Calls(Session):
         block.key = key
         if group:
             block.group = group
-        if base_key and self._valid_key(base_key):  # diagnostics only: drop an invalid one
+        base_key = self._base_key(base_key)
+        if base_key:
             block.base_key = base_key
+
+    def _base_key(self, base_key: bytes) -> bytes:
+        """A base key as sent: an invalid one only feeds diagnostics, so it is dropped, not refused."""
+        return base_key if base_key and self._valid_key(base_key) else b""
 
     def release(self, leases: Leases) -> None:
         """Release lookup leases early (best effort; leases also expire on their own)."""

@@ -28,7 +28,7 @@ class SharedPut:
     items: list[SizedItemFields]
     statuses: list[int]
     slots: list[memoryview | None]
-    refs: list[pb.SharedMemoryRef | None]
+    generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
 
     def seal(self, index: int) -> None:
@@ -68,7 +68,7 @@ class SharedMemoryTransfer(Calls):
             return None
         statuses: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
         slots: list[memoryview | None] = [None] * len(items)
-        refs: list[pb.SharedMemoryRef | None] = [None] * len(items)
+        generations: list[int | None] = [None] * len(items)
         sendable = [n for n, (_, key, _, _) in enumerate(items) if self._valid_key(key)]
         for n in range(len(items)):
             if not self._valid_key(items[n][1]):
@@ -79,11 +79,12 @@ class SharedMemoryTransfer(Calls):
         try:
             for start in range(0, len(sendable), size):
                 chunk = sendable[start : start + size]
-                reserve_request = pb.ReserveSlotsRequest()
-                add = reserve_request.items.add
-                for n in chunk:
-                    group, key, length, base_key = items[n]
-                    self._set_block(add(length=length).block, group, key, base_key)
+                reserve_request = pb.ReserveSlotsRequest(packed_lengths=[items[n][2] for n in chunk])
+                add = reserve_request.packed_items.add
+                for run in pack_blocks(
+                    [(items[n][0], items[n][1], self._base_key(items[n][3])) for n in chunk]
+                ):
+                    add(key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys)
 
                 def rpc(
                     sid: str, timeout: float, request: pb.ReserveSlotsRequest = reserve_request
@@ -92,34 +93,39 @@ class SharedMemoryTransfer(Calls):
                     return sid, self._stub.ReserveSlots(request, timeout=timeout)
 
                 session_id, response = self._call(deadline, rpc)
-                for n, grant in zip(chunk, response.grants, strict=False):
-                    if grant.HasField("slot"):
-                        try:
-                            slots[n] = arena.slot(grant.slot)
-                        except ValueError:
-                            statuses[n] = pb.REJECTED
-                            continue
-                        refs[n] = grant.slot
-                    else:
-                        statuses[n] = grant.status
+                packed = response.packed
+                answered = packed.statuses
+                granted = iter(zip(packed.offsets, packed.generations, strict=False))
+                for i, n in enumerate(chunk):
+                    status = answered[i] if i < len(answered) else pb.REJECTED
+                    if status != pb.PUT_STATUS_UNSPECIFIED:
+                        statuses[n] = status
+                        continue
+                    offset, generation = next(granted, (0, 0))
+                    try:
+                        slots[n] = arena.slot_at(packed.segment, offset, items[n][2])
+                    except ValueError:
+                        statuses[n] = pb.REJECTED
+                        continue
+                    generations[n] = generation
         except _CallFailed:
             with self._lock:
                 self.counters.put_dropped += len(items)
             return None
-        return SharedPut(session_id, list(items), statuses, slots, refs, [None] * len(items))
+        return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items))
 
     def commit(self, reservation: SharedPut) -> list[int] | None:
         """Make the written slots of a reservation visible; a PutStatus per item, or None when the
         store could not be reached (the slots are freed when the session ends)."""
         results = list(reservation.statuses)
         chunk_size = self._batch_size()
-        pending = [n for n, ref in enumerate(reservation.refs) if ref is not None]
+        pending = [n for n, generation in enumerate(reservation.generations) if generation is not None]
         deadline = _Deadline(self.rpc_timeout_s)
         sent_any = False
         try:
             for start in range(0, len(pending), chunk_size):
                 chunk = pending[start : start + chunk_size]
-                generations = [ref.generation for n in chunk if (ref := reservation.refs[n]) is not None]
+                generations = [g for n in chunk if (g := reservation.generations[n]) is not None]
                 digests = [reservation.digest(n) for n in chunk]
 
                 def rpc(

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -37,7 +38,7 @@ from kvtag_store.backends.base import (
 )
 from kvtag_store.backends.memory import MemoryBackend, SlotReference
 from kvtag_store.census import Census
-from kvtag_store.config import ServiceConfig
+from kvtag_store.config import ServiceConfig, ServiceLimits
 from kvtag_store.crossmode import BaseKeyIndex
 from kvtag_store.metrics import KEY_STATUS_NAMES, PUT_STATUS_NAMES, StoreMetrics
 from kvtag_store.sessions import Session, SessionTable, Unpin
@@ -309,18 +310,15 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self, request: pb.ReserveSlotsRequest, context: grpc.ServicerContext
     ) -> pb.ReserveSlotsResponse:
         session = self._session(request.session_id, context, "ReserveSlots")
-        validation.batch_size("items", len(request.items), self.limits)
-        # Each item's fields read once (every access to a upb sub-message builds a wrapper).
-        items = [
-            (item.block.group, item.block.key, item.block.base_key, item.length) for item in request.items
-        ]
-        for index, (_, key, _, _) in enumerate(items):
-            validation.key(key, f"items[{index}].block.key", self.limits)
+        packed = bool(request.packed_items)
+        items = _packed_slot_items(request, self.limits) if packed else _slot_items(request, self.limits)
         response = pb.ReserveSlotsResponse()
         if not session.shared_memory or self.arenas is None:
-            response.grants.extend(
-                pb.SlotGrant(status=pb.REJECTED, reason=_SHM_REFUSED.reason) for _ in request.items
-            )
+            refused = [_SHM_REFUSED] * len(items)
+            if packed:
+                _pack_grants(response.packed, refused)
+            else:
+                _list_grants(response.grants, refused)
             return response
         # The same per-item limit as an inline Put, so both paths give the same results.
         limit = self.max_value_bytes
@@ -347,16 +345,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         ]
         if base_keys:
             self.base_index.record(session.namespace_id, session.mode_id, base_keys)
-        grants = response.grants
-        for grant in granted:
-            if isinstance(grant, PutResult):
-                grants.add(status=grant.outcome, reason=grant.reason)
-            else:
-                slot = grants.add().slot
-                slot.segment = grant.segment
-                slot.offset = grant.offset
-                slot.length = grant.length
-                slot.generation = grant.generation
+        if packed:
+            _pack_grants(response.packed, granted)
+        else:
+            _list_grants(response.grants, granted)
         return response
 
     @rpc(intake.COMMIT_SLOTS)
@@ -812,3 +804,66 @@ def _pack_references(
             packed.xxh3_64.extend([r.digest or 0 for r in hits])
         return sum(lengths)
     return 0
+
+
+_SlotItem = tuple[int, bytes, bytes, int]  # (group, key, base_key, length)
+
+
+def _slot_items(request: pb.ReserveSlotsRequest, limits: ServiceLimits) -> list[_SlotItem]:
+    validation.batch_size("items", len(request.items), limits)
+    # Each item's fields read once (every access to a upb sub-message builds a wrapper).
+    items = [(item.block.group, item.block.key, item.block.base_key, item.length) for item in request.items]
+    for index, (_, key, _, _) in enumerate(items):
+        validation.key(key, f"items[{index}].block.key", limits)
+    return items
+
+
+def _packed_slot_items(request: pb.ReserveSlotsRequest, limits: ServiceLimits) -> list[_SlotItem]:
+    if request.items:
+        raise errors.invalid_request(
+            "a ReserveSlots carries either items or packed_items, not both; send all items in one form",
+            "packed_items",
+        )
+    total = validation.packed_runs(request.packed_items, "packed_items", limits)
+    lengths = request.packed_lengths
+    if len(lengths) != total:
+        raise errors.invalid_request(
+            f"packed_lengths has {len(lengths)} lengths for {total} keys: send one per key, in order",
+            "packed_lengths",
+        )
+    items: list[tuple[int, bytes, bytes]] = []
+    for run in request.packed_items:
+        keys = wire.split_keys(run.keys, run.key_length)
+        bases = (
+            wire.split_keys(run.base_keys, len(run.base_keys) // len(keys))
+            if run.base_keys
+            else repeat(b"", len(keys))
+        )
+        items.extend(zip(repeat(run.group), keys, bases))
+    return [(group, key, base, length) for (group, key, base), length in zip(items, lengths, strict=True)]
+
+
+def _list_grants(grants: Any, granted: Sequence[SlotReference | PutResult]) -> None:
+    for grant in granted:
+        if isinstance(grant, PutResult):
+            grants.add(status=grant.outcome, reason=grant.reason)
+        else:
+            slot = grants.add().slot
+            slot.segment = grant.segment
+            slot.offset = grant.offset
+            slot.length = grant.length
+            slot.generation = grant.generation
+
+
+def _pack_grants(packed: pb.PackedGrants, granted: Sequence[SlotReference | PutResult]) -> None:
+    statuses = bytearray(len(granted))
+    slots = [g for g in granted if not isinstance(g, PutResult)]
+    known = [(i, g) for i, g in enumerate(granted) if isinstance(g, PutResult)]
+    for i, result in known:
+        statuses[i] = result.outcome
+    packed.statuses = bytes(statuses)
+    packed.reasons.extend([result.reason for _, result in known])
+    if slots:
+        packed.segment = slots[0].segment  # a session's slots all lie in its tenant's one arena
+        packed.offsets.extend([g.offset for g in slots])
+        packed.generations.extend([g.generation for g in slots])

@@ -140,9 +140,15 @@ def packed_blocks(
             f"a {rpc} carries either blocks or packed_blocks, not both; send all keys in one form",
             "packed_blocks",
         )
+    packed_runs(request.packed_blocks, "packed_blocks", limits)
+
+
+def packed_runs(runs: Sequence[pb.PackedBlocks], name: str, limits: ServiceLimits) -> int:
+    """Check packed runs (whole keys of an allowed length, whole base keys, within the batch limit);
+    returns how many keys they hold."""
     total = 0
-    for index, run in enumerate(request.packed_blocks):
-        field = f"packed_blocks[{index}]"
+    for index, run in enumerate(runs):
+        field = f"{name}[{index}]"
         key_length, size = run.key_length, len(run.keys)
         if key_length == 0:
             raise errors.empty_key(f"{field}.key_length")
@@ -162,4 +168,5 @@ def packed_blocks(
                 f"{field}.base_keys",
             )
         total += count
-    batch_size("packed_blocks", total, limits)
+    batch_size(name, total, limits)
+    return total

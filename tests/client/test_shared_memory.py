@@ -228,9 +228,13 @@ def test_a_session_commits_only_its_own_reservations_and_each_once(
     owner = _shm_client(make_client, shared_store.endpoint, tenant="commits")
     other = _shm_client(make_client, shared_store.endpoint, tenant="commits")
     reservation = owner.reserve([(0, b"owned", 5, b"")])
-    assert reservation is not None and reservation.slots[0] is not None and reservation.refs[0] is not None
+    assert (
+        reservation is not None
+        and reservation.slots[0] is not None
+        and reservation.generations[0] is not None
+    )
     reservation.slots[0][:] = b"owned"
-    generation = reservation.refs[0].generation
+    generation = reservation.generations[0]
     stolen = other._stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=other.session_id, generations=[generation]), timeout=10
     )
@@ -386,11 +390,11 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
     is INVALID_ARGUMENT and commits nothing."""
     client = _shm_client(make_client, shared_store.endpoint, tenant="digests")
     reservation = client.reserve([(0, b"liar", 4, b""), (0, b"honest", 6, b"")])
-    assert reservation is not None and None not in reservation.refs
+    assert reservation is not None and None not in reservation.generations
     for slot, value in zip(reservation.slots, (b"liar", b"honest"), strict=True):
         assert slot is not None
         slot[:] = value
-    generations = [ref.generation for ref in reservation.refs if ref is not None]
+    generations = [g for g in reservation.generations if g is not None]
     with pytest.raises(grpc.RpcError) as refused:
         client._stub.CommitSlots(
             pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=[1]),
@@ -469,3 +473,68 @@ def test_packed_get_references_answer_exactly_what_the_message_per_block_form_do
             stub_call(request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     assert client.get([(g, k) for g, k, _, _ in stored]) == [v for _, _, v, _ in stored]
+
+
+def test_packed_reserve_slots_answer_each_item_and_record_its_base_key(
+    start_store: StoreFactory, make_client: ClientFactory
+) -> None:
+    """ReserveSlots over packed_items: a status byte per item (a slot, or the outcome known now with
+    its reason), slots for the granted ones only, base keys recorded for cross-mode diagnostics as on
+    the message-per-item form; malformed packed forms are INVALID_ARGUMENT."""
+    store = start_store("--max-message-bytes", "1MiB")
+    writer = _shm_client(make_client, store.endpoint, tenant="packed-grants")
+    too_large = writer.limits.max_value_bytes + 1
+    assert writer.put([(0, b"kept", b"k" * 10, b"")]) == [pb.STORED]
+    keys = b"new1kepttoo!grp3"
+    runs = [
+        pb.PackedBlocks(key_length=4, keys=keys[:12], base_keys=b"b1b2b3"),
+        pb.PackedBlocks(group=3, key_length=4, keys=keys[12:]),
+    ]
+    answer = writer._stub.ReserveSlots(
+        pb.ReserveSlotsRequest(
+            session_id=writer.session_id, packed_items=runs, packed_lengths=[10, 10, too_large, 20]
+        ),
+        timeout=10,
+    )
+    packed = answer.packed
+    assert not answer.grants
+    assert list(packed.statuses) == [pb.PUT_STATUS_UNSPECIFIED, pb.ALREADY_PRESENT, pb.REJECTED, 0]
+    assert packed.reasons[0] == "" and str(too_large) in packed.reasons[1], list(packed.reasons)
+    assert len(packed.offsets) == len(packed.generations) == 2 and len(set(packed.generations)) == 2
+    assert packed.segment == writer._shared_arena().segment  # type: ignore[union-attr]
+
+    # The client's own packed reserve records base keys: another mode's lookup names the holder.
+    reader = _shm_client(make_client, store.endpoint, lookahead_tokens=1, tenant="packed-grants")
+    assert writer.put([(0, b"legacy-a", b"a" * 10, b"base-a"), (0, b"legacy-b", b"b" * 10, b"base-b")]) == [
+        pb.STORED,
+        pb.STORED,
+    ]
+    assert reader.lookup([(0, b"la-a", b"base-a"), (0, b"la-b", b"base-b")]).prefix_length == 0
+    with grpc.insecure_channel(store.endpoint) as channel:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        diagnosis = stub.Diagnose(pb.DiagnoseRequest(), timeout=10)
+    [counted] = [m for ns in diagnosis.namespaces for m in ns.modes if m.counters.cross_mode_misses]
+    assert counted.counters.cross_mode_misses == 2
+
+    for request, field in (
+        (pb.ReserveSlotsRequest(packed_items=runs, packed_lengths=[10]), "packed_lengths"),
+        (
+            pb.ReserveSlotsRequest(
+                packed_items=runs,
+                packed_lengths=[1, 1, 1, 1],
+                items=[pb.SlotRequest(block=pb.BlockRef(key=b"x"), length=1)],
+            ),
+            "packed_items",
+        ),
+        (
+            pb.ReserveSlotsRequest(
+                packed_items=[pb.PackedBlocks(key_length=4, keys=b"abcde")], packed_lengths=[1]
+            ),
+            "keys",
+        ),
+    ):
+        request.session_id = writer.session_id
+        with pytest.raises(grpc.RpcError) as refused:
+            writer._stub.ReserveSlots(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in str(refused.value.details()) or field in str(refused.value.trailing_metadata())

@@ -65,7 +65,7 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
     assert b.put([(0, b"globex-block", secret, b"")]) == [pb.STORED]
     assert b.get([(0, b"globex-block")]) == [secret]
     pending = b.reserve([(0, b"globex-pending", 64, b"")])
-    assert pending is not None and pending.refs[0] is not None
+    assert pending is not None and pending.generations[0] is not None
     assert a._arena is not None and b._arena is not None
 
     # Each tenant has its own arena file; A's mapping (the whole file) never holds B's bytes.
@@ -96,7 +96,7 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
         stub.OpenSession(open_b, timeout=10)
     assert _refused(opened.value)[0] is grpc.StatusCode.PERMISSION_DENIED
     block = pb.BlockRef(group=0, key=b"globex-block")
-    generation = pending.refs[0].generation
+    generation = pending.generations[0]
     calls: dict[str, Callable[[str], object]] = {
         "AttachSharedMemory": lambda sid: stub.AttachSharedMemory(
             pb.AttachSharedMemoryRequest(session_id=sid, nonce=b_nonce), timeout=10

@@ -72,6 +72,10 @@ def _valid_messages(session_id: str, rng: random.Random) -> dict[str, bytes]:
     keys += rng.sample(sorted(KEPT), rng.randint(0, 2))  # Get/Lookup/Put the kept keys too
     refs = [pb.BlockRef(key=k, group=rng.choice([0, 0, 1])) for k in keys]
     items = [pb.PutItem(block=r, value=bytes(rng.randint(0, 3000))) for r in refs]
+    width = rng.randint(1, 40)  # the packed forms: the same keys cut or padded to one length
+    packed = pb.PackedBlocks(
+        key_length=width, keys=b"".join(k[:width].ljust(width, b"-") for k in keys), group=rng.choice([0, 1])
+    )
     messages: dict[str, pb.Message] = {  # type: ignore[name-defined]
         "OpenSession": pb.OpenSessionRequest(
             engine_id=f"fuzz-{rng.randint(0, 3)}",
@@ -90,13 +94,28 @@ def _valid_messages(session_id: str, rng: random.Random) -> dict[str, bytes]:
         "GetStream": pb.GetRequest(session_id=session_id, blocks=refs),
         "ReleaseLeases": pb.ReleaseLeasesRequest(session_id=session_id, lease_ids=["l-1", "l-2"]),
         "AttachSharedMemory": pb.AttachSharedMemoryRequest(session_id=session_id, nonce=rng.randbytes(16)),
-        "ReserveSlots": pb.ReserveSlotsRequest(
-            session_id=session_id, items=[pb.SlotRequest(block=r, length=rng.randint(0, 5000)) for r in refs]
+        "ReserveSlots": rng.choice(
+            [
+                pb.ReserveSlotsRequest(
+                    session_id=session_id,
+                    items=[pb.SlotRequest(block=r, length=rng.randint(0, 5000)) for r in refs],
+                ),
+                pb.ReserveSlotsRequest(
+                    session_id=session_id,
+                    packed_items=[packed],
+                    packed_lengths=[rng.randint(0, 5000) for _ in refs],
+                ),
+            ]
         ),
         "CommitSlots": pb.CommitSlotsRequest(
             session_id=session_id, generations=[rng.getrandbits(64) for _ in range(rng.randint(0, 4))]
         ),
-        "GetReferences": pb.GetRequest(session_id=session_id, blocks=refs),
+        "GetReferences": rng.choice(
+            [
+                pb.GetRequest(session_id=session_id, blocks=refs),
+                pb.GetRequest(session_id=session_id, packed_blocks=[packed], verify_in_client=True),
+            ]
+        ),
         "Diagnose": pb.DiagnoseRequest(namespace_id=rng.choice(["", "ns-x"])),
         "GetStats": pb.GetStatsRequest(),
     }

@@ -236,12 +236,30 @@ class SlotRequest(_message.Message):
     def __init__(self, block: _Optional[_Union[BlockRef, _Mapping]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveSlotsRequest(_message.Message):
-    __slots__ = ("session_id", "items")
+    __slots__ = ("session_id", "items", "packed_items", "packed_lengths")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     items: _containers.RepeatedCompositeFieldContainer[SlotRequest]
-    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SlotRequest, _Mapping]]] = ...) -> None: ...
+    packed_items: _containers.RepeatedCompositeFieldContainer[PackedBlocks]
+    packed_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[SlotRequest, _Mapping]]] = ..., packed_items: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ..., packed_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PackedGrants(_message.Message):
+    __slots__ = ("statuses", "segment", "offsets", "generations", "reasons")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    segment: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, statuses: _Optional[bytes] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SlotGrant(_message.Message):
     __slots__ = ("status", "reason", "slot")
@@ -264,10 +282,12 @@ class CommitSlotsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
-    __slots__ = ("grants",)
+    __slots__ = ("grants", "packed")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[SlotGrant]
-    def __init__(self, grants: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ...) -> None: ...
+    packed: PackedGrants
+    def __init__(self, grants: _Optional[_Iterable[_Union[SlotGrant, _Mapping]]] = ..., packed: _Optional[_Union[PackedGrants, _Mapping]] = ...) -> None: ...
 
 class GetReferencesResponse(_message.Message):
     __slots__ = ("results", "lease", "packed")
