@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tests.net import free_port
+from tests.net import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 READY_LINE = b"serving"  # the lifecycle line `serve` logs once its port accepts calls
@@ -105,8 +105,12 @@ class StoreProcess:
                 self.proc.send_signal(sig)
 
     def pause(self) -> None:
-        """SIGSTOP: connections stay open and nothing answers."""
+        """SIGSTOP: connections stay open and nothing answers. Returns once every thread of the store
+        has stopped: the signal lands asynchronously, and a call sent in between would be answered."""
         self._signal(signal.SIGSTOP)
+        assert self.proc is not None
+        pid = self.proc.pid
+        wait_until(lambda: self.proc is None or self.proc.poll() is not None or _stopped(pid), 10, "SIGSTOP")
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
@@ -182,3 +186,13 @@ def store_starter(
     finally:
         for store in started:
             on_exit(store)
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` in the stopped state (T or t in /proc/PID/task/TID/stat)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(states) and all(state in "Tt" for state in states)
