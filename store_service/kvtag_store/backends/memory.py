@@ -24,8 +24,8 @@ import logging
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 import xxhash
 
@@ -92,8 +92,7 @@ class _Entry:
         return self.arena.view[self.slot.offset : self.slot.offset + self.slot.length]
 
 
-@dataclass(frozen=True, slots=True)
-class _Reservation:
+class _Reservation(NamedTuple):
     namespace_id: str
     address: BlockAddress
     slot: Slot
@@ -202,9 +201,8 @@ class _Namespace:
         return held
 
 
-@dataclass(frozen=True, slots=True)
-class SlotReference:
-    """A pinned slot handed to a shared-memory reader (see get_references)."""
+class SlotReference(NamedTuple):
+    """A slot handed to a shared-memory writer (reserve) or reader (get_references, pinned)."""
 
     segment: str
     offset: int
