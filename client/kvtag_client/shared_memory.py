@@ -90,11 +90,8 @@ class ArenaMapping:
             done = faulted // _EXTENT * _EXTENT
             quiet_since = time.monotonic()
 
-    def slot(self, ref: pb.SharedMemoryRef) -> memoryview:
+    def slot(self, segment: str, offset: int, length: int) -> memoryview:
         """The value bytes a reference names; ValueError when it does not lie inside this arena."""
-        return self.slot_at(ref.segment, ref.offset, ref.length)
-
-    def slot_at(self, segment: str, offset: int, length: int) -> memoryview:
         end = offset + length
         if segment != self.segment or offset < _FIRST_VALUE or end > self.size:
             raise ValueError(f"reference outside the mapped arena: {segment} [{offset}, {end})")

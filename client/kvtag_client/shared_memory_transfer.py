@@ -21,8 +21,9 @@ from kvtag_client.shared_memory import ArenaMapping
 class SharedPut:
     """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
     into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
-    (ALREADY_PRESENT, CONFLICT, REJECTED). `digests[i]` is the XXH3-64 of a written slot, taken by
-    seal(i) while the bytes are still in cache; commit takes the missing ones itself."""
+    (ALREADY_PRESENT, CONFLICT, REJECTED). `digests[i]` is the XXH3-64 of a written slot, taken at
+    the first digest(i): best right after writing it, while the bytes are in cache (put_from does);
+    commit takes the missing ones itself."""
 
     session_id: str
     items: list[SizedItemFields]
@@ -30,11 +31,6 @@ class SharedPut:
     slots: list[memoryview | None]
     generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
-
-    def seal(self, index: int) -> None:
-        slot = self.slots[index]
-        if slot is not None:
-            self.digests[index] = value_digest(slot)
 
     def digest(self, index: int) -> int:
         digest = self.digests[index]
@@ -103,7 +99,7 @@ class SharedMemoryTransfer(Calls):
                         continue
                     offset, generation = next(granted, (0, 0))
                     try:
-                        slots[n] = arena.slot_at(packed.segment, offset, items[n][2])
+                        slots[n] = arena.slot(packed.segment, offset, items[n][2])
                     except ValueError:
                         statuses[n] = pb.REJECTED
                         continue
@@ -201,7 +197,7 @@ class SharedMemoryTransfer(Calls):
                         zip(hits, packed.offsets, packed.lengths, packed.generations, strict=False)
                     ):
                         try:
-                            source = arena.slot_at(segment, offset, length)
+                            source = arena.slot(segment, offset, length)
                         except ValueError:
                             continue
                         if not (

@@ -96,7 +96,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         for index, slot in enumerate(reservation.slots):
             if slot is not None:
                 fill(index, slot)
-                reservation.seal(index)
+                reservation.digest(index)  # now, while the bytes are in cache
         return self.commit(reservation)
 
     def get_into(

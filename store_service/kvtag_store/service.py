@@ -777,11 +777,7 @@ def _list_references(
     for status, reference in zip(statuses, references, strict=True):
         result = results.add(status=status)
         if reference is not None:
-            slot = result.slot
-            slot.segment = reference.segment
-            slot.offset = reference.offset
-            slot.length = reference.length
-            slot.generation = reference.generation
+            _fill_slot(result.slot, reference)
             if reference.digest is not None:
                 result.xxh3_64 = reference.digest
             served += reference.length
@@ -848,11 +844,14 @@ def _list_grants(grants: Any, granted: Sequence[SlotReference | PutResult]) -> N
         if isinstance(grant, PutResult):
             grants.add(status=grant.outcome, reason=grant.reason)
         else:
-            slot = grants.add().slot
-            slot.segment = grant.segment
-            slot.offset = grant.offset
-            slot.length = grant.length
-            slot.generation = grant.generation
+            _fill_slot(grants.add().slot, grant)
+
+
+def _fill_slot(slot: pb.SharedMemoryRef, reference: SlotReference) -> None:
+    slot.segment = reference.segment
+    slot.offset = reference.offset
+    slot.length = reference.length
+    slot.generation = reference.generation
 
 
 def _pack_grants(packed: pb.PackedGrants, granted: Sequence[SlotReference | PutResult]) -> None:

@@ -372,7 +372,8 @@ def test_a_value_corrupted_in_the_arena_is_caught_by_the_readers_copy_dropped_an
     )
     [reference] = answer.results
     assert reference.xxh3_64 == xxhash.xxh3_64_intdigest(bad), "the digest the client committed"
-    arena.slot(reference.slot)[4000] ^= 0x01  # a stray write through the shared mapping
+    ref = reference.slot
+    arena.slot(ref.segment, ref.offset, ref.length)[4000] ^= 0x01  # a stray write through the mapping
     client.release((answer.lease.lease_id,))
 
     assert client.get([(0, b"good"), (0, b"bad")]) == [good, None]

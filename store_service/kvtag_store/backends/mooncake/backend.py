@@ -776,9 +776,9 @@ class MooncakeBackend:
         """Shared-memory Get: each value read from the cluster straight into a staging slot (one
         batch_get_into_multi_buffers), verified there (tag, address, length, CRC) and referenced,
         whatever `verify` says: the header is checked as the value arrives, so references carry no
-        digest for the reader. The
-        pinned addresses carry their slots (StagedAddress): releasing the lease frees them. A value
-        the staging arena has no room for is answered MISS; the engine recomputes it."""
+        digest for the reader. The pinned addresses carry their slots (StagedAddress): releasing the
+        lease frees them. A value the staging arena has no room for is answered MISS; the engine
+        recomputes it."""
         statuses = [KeyStatus.MISS] * len(addresses)
         references: list[SlotReference | None] = [None] * len(addresses)
         pinned: list[BlockAddress] = []
