@@ -358,13 +358,14 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         session = self._session(request.session_id, context, "CommitSlots")
         validation.batch_size("generations", len(request.generations), self.limits)
         generations = list(request.generations)
-        sent_digests = list(request.xxh3_64)
-        if sent_digests and len(sent_digests) != len(generations):
+        sent = len(request.xxh3_64)  # checked before listing: a huge list would cost ~36 B per digest
+        if sent and sent != len(generations):
             raise errors.invalid_request(
-                f"xxh3_64 has {len(sent_digests)} digests for {len(generations)} generations: send one "
+                f"xxh3_64 has {sent} digests for {len(generations)} generations: send one "
                 "per generation, in the same order, or none",
                 "xxh3_64",
             )
+        sent_digests = list(request.xxh3_64)
         held = self.sessions.take_reservations(session, generations)
         claimed = [g for g, ok in zip(generations, held, strict=True) if ok]
         digests = [d for d, ok in zip(sent_digests, held, strict=True) if ok] if sent_digests else None
