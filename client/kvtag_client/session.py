@@ -136,6 +136,11 @@ class Session:
         self._pending_releases: list[str] = []
         self._release_wake = threading.Event()
         self._releaser: threading.Thread | None = None
+        # Spare slots granted by CommitSlots for the next put (shared_memory_transfer): value length ->
+        # [(offset, generation, time the granting call was sent)], of the session and arena segment
+        # they were granted in.
+        self._spares: dict[int, list[tuple[int, int, float]]] = {}
+        self._spares_of: tuple[str, str] = ("", "")
         self.endpoint = endpoint
         self.engine_id = engine_id
         self.namespace = namespace

@@ -4,6 +4,8 @@ messages carry only slot references."""
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ class SharedPut:
     slots: list[memoryview | None]
     generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
+    spare: bool = False  # the slots are spare ones: the commit binds them to their keys
 
     def digest(self, index: int) -> int:
         digest = self.digests[index]
@@ -69,6 +72,9 @@ class SharedMemoryTransfer(Calls):
         for n in range(len(items)):
             if not self._valid_key(items[n][1]):
                 statuses[n] = pb.REJECTED
+        spared = self._reserve_spare(arena, items, sendable, statuses)
+        if spared is not None:
+            return spared
         deadline = _Deadline(self.rpc_timeout_s)
         size = self._batch_size()
         session_id = ""
@@ -110,32 +116,133 @@ class SharedMemoryTransfer(Calls):
             return None
         return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items))
 
+    def _reserve_spare(
+        self,
+        arena: ArenaMapping,
+        items: Sequence[SizedItemFields],
+        sendable: list[int],
+        statuses: list[int],
+    ) -> SharedPut | None:
+        """The put in spare slots an earlier commit was granted, with no round trip: only when there
+        is one of the right length for every item (and they fit one commit). Items already stored
+        are then written anyway, and their commit answers ALREADY_PRESENT.
+
+        Only spares granted less than half a session TTL ago are written: the granting call kept
+        the session alive at the store until at least a TTL after it was sent, so the store cannot
+        have ended the session and handed the slots to another writer meanwhile."""
+        if not sendable or len(sendable) > self._batch_size():
+            return None
+        need = Counter(items[n][2] for n in sendable)
+        with self._lock:
+            session_id = self.session_id
+            if self._spares_of[0] != session_id:
+                self._spares.clear()  # granted in an earlier session: gone with it
+                return None
+            spares = self._spares
+            fresh_since = time.monotonic() - self.session_ttl_ms / 2000.0
+            for length, count in need.items():
+                held = spares.get(length, [])
+                if len(held) < count or any(granted < fresh_since for *_, granted in held[-count:]):
+                    return None
+            picked = [spares[items[n][2]].pop() for n in sendable]
+            segment = self._spares_of[1]
+        slots: list[memoryview | None] = [None] * len(items)
+        generations: list[int | None] = [None] * len(items)
+        try:
+            for n, (offset, generation, _) in zip(sendable, picked, strict=True):
+                slots[n] = arena.slot(segment, offset, items[n][2])
+                generations[n] = generation
+        except ValueError:  # not this mapping's: the session ended and left them behind
+            with self._lock:
+                self._spares.clear()
+            return None
+        return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items), True)
+
+    def _spare_request(self, reservation: SharedPut, pending: list[int]) -> tuple[list[int], list[int]]:
+        """What the last commit of a put asks: spare lengths that, with those held, make one put like
+        this one, and the held spares of other lengths to give back."""
+        if len(pending) > self._batch_size():
+            return [], []
+        want = Counter(reservation.items[n][2] for n in pending)
+        with self._lock:
+            if self._spares_of[0] != self.session_id:
+                self._spares.clear()
+            # Give back spares of other lengths, and stale ones (see _reserve_spare).
+            fresh_since = time.monotonic() - self.session_ttl_ms / 2000.0
+            cancel: list[int] = []
+            for length in list(self._spares):
+                held = self._spares.pop(length)
+                kept = [s for s in held if length in want and s[2] >= fresh_since]
+                cancel.extend(s[1] for s in held if length not in want or s[2] < fresh_since)
+                if kept:
+                    self._spares[length] = kept
+            ask = [
+                length
+                for length, count in want.items()
+                for _ in range(count - len(self._spares.get(length, ())))
+            ]
+        return ask, cancel
+
+    def _keep_spares(
+        self, session_id: str, sent_at: float, lengths: list[int], granted: pb.PackedGrants
+    ) -> None:
+        """Hold the spare slots a commit was granted (one PackedGrants status per length asked)."""
+        granted_lengths = [
+            length
+            for length, status in zip(lengths, granted.statuses, strict=False)
+            if status == pb.PUT_STATUS_UNSPECIFIED
+        ]
+        kept = list(zip(granted_lengths, granted.offsets, granted.generations, strict=False))
+        if not kept:
+            return
+        with self._lock:
+            if self._spares_of != (session_id, granted.segment):
+                self._spares.clear()
+                self._spares_of = (session_id, granted.segment)
+            for length, offset, generation in kept:
+                self._spares.setdefault(length, []).append((offset, generation, sent_at))
+
     def commit(self, reservation: SharedPut) -> list[int] | None:
         """Make the written slots of a reservation visible; a PutStatus per item, or None when the
-        store could not be reached (the slots are freed when the session ends)."""
+        store could not be reached (the slots are freed when the session ends). The last message
+        also asks for spare slots for a next put like this one (see _reserve_spare)."""
         results = list(reservation.statuses)
         chunk_size = self._batch_size()
         pending = [n for n, generation in enumerate(reservation.generations) if generation is not None]
+        ask, cancel = self._spare_request(reservation, pending)
         deadline = _Deadline(self.rpc_timeout_s)
         sent_any = False
         try:
             for start in range(0, len(pending), chunk_size):
                 chunk = pending[start : start + chunk_size]
-                generations = [g for n in chunk if (g := reservation.generations[n]) is not None]
-                digests = [reservation.digest(n) for n in chunk]
+                last = start + chunk_size >= len(pending)
+                request = pb.CommitSlotsRequest(
+                    generations=[g for n in chunk if (g := reservation.generations[n]) is not None],
+                    xxh3_64=[reservation.digest(n) for n in chunk],
+                )
+                if reservation.spare:  # the keys the spare slots are for
+                    add = request.packed_items.add
+                    keyed = [reservation.items[n] for n in chunk]
+                    for run in pack_blocks([(g, key, self._base_key(base)) for g, key, _, base in keyed]):
+                        add(
+                            key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys
+                        )
+                if last:
+                    request.spare_lengths.extend(ask)
+                    request.cancel_generations.extend(cancel)
 
                 def rpc(
-                    sid: str,
-                    timeout: float,
-                    generations: list[int] = generations,
-                    digests: list[int] = digests,
-                ) -> list[int]:
-                    request = pb.CommitSlotsRequest(session_id=sid, generations=generations, xxh3_64=digests)
-                    response: pb.PutResponse = self._stub.CommitSlots(request, timeout=timeout)
-                    return [r.status for r in response.results]
+                    sid: str, timeout: float, request: pb.CommitSlotsRequest = request
+                ) -> tuple[str, float, pb.CommitSlotsResponse]:
+                    request.session_id = sid
+                    sent_at = time.monotonic()
+                    return sid, sent_at, self._stub.CommitSlots(request, timeout=timeout)
 
-                for n, status in zip(chunk, self._call(deadline, rpc), strict=False):
-                    results[n] = status
+                session_id, sent_at, response = self._call(deadline, rpc)
+                for n, result in zip(chunk, response.results, strict=False):
+                    results[n] = result.status
+                if last and ask:
+                    self._keep_spares(session_id, sent_at, ask, response.spare)
                 sent_any = True
         except _CallFailed:
             pass

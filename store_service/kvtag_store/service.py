@@ -70,6 +70,9 @@ _SHM_IN_PUT = PutResult(
     "commit them (CommitSlots), or send the bytes in `value`",
 )
 _NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
+_SESSION_ENDED = PutResult(
+    PutOutcome.REJECTED, "the session ended while its slots were being reserved; open a new session"
+)
 _NOT_RESERVED = PutResult(
     PutOutcome.REJECTED,
     "no such reservation: the slot was not reserved by this session (ReserveSlots), was already "
@@ -330,9 +333,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             )
         )
         granted = [next(reserved) if length <= limit else self._too_large(length) for *_, length in items]
-        self.sessions.add_reservations(
-            session, [g.generation for g in granted if not isinstance(g, PutResult)]
-        )
+        granted = self._hold(session, granted)
         # Outcomes known now are counted now; the granted ones when committed. Base keys are recorded
         # for what will be (or already is) stored in this mode.
         known = Counter(g.outcome for g in granted if isinstance(g, PutResult))
@@ -351,13 +352,31 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             _list_grants(response.grants, granted)
         return response
 
+    def _hold(
+        self, session: Session, granted: list[SlotReference | PutResult]
+    ) -> list[SlotReference | PutResult]:
+        """Record granted slots as the session's, so its end frees them; if it ended meanwhile, free
+        them now and answer REJECTED."""
+        generations = [g.generation for g in granted if not isinstance(g, PutResult)]
+        if not generations or self.sessions.add_reservations(session, generations):
+            return granted
+        if self.arenas is not None:
+            self.arenas.cancel(generations)
+        return [g if isinstance(g, PutResult) else _SESSION_ENDED for g in granted]
+
     @rpc(intake.COMMIT_SLOTS)
-    def CommitSlots(self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+    def CommitSlots(
+        self, request: pb.CommitSlotsRequest, context: grpc.ServicerContext
+    ) -> pb.CommitSlotsResponse:
         """Shared-memory Put, step 2: checksum (or take the client's digests), tag and insert the written
-        slots the session reserved."""
+        slots the session reserved, binding spare ones to the keys sent; then give back cancelled
+        slots and grant the spare ones asked for the next put."""
         session = self._session(request.session_id, context, "CommitSlots")
         validation.batch_size("generations", len(request.generations), self.limits)
+        validation.batch_size("spare_lengths", len(request.spare_lengths), self.limits)
+        validation.batch_size("cancel_generations", len(request.cancel_generations), self.limits)
         generations = list(request.generations)
+        keys = _commit_keys(request, self.limits) if request.packed_items else None
         sent = len(request.xxh3_64)  # checked before listing: a huge list would cost ~36 B per digest
         if sent and sent != len(generations):
             raise errors.invalid_request(
@@ -369,21 +388,55 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         held = self.sessions.take_reservations(session, generations)
         claimed = [g for g, ok in zip(generations, held, strict=True) if ok]
         digests = [d for d, ok in zip(sent_digests, held, strict=True) if ok] if sent_digests else None
+        addresses = (
+            [(group, BlockKey(key)) for (group, key, _), ok in zip(keys, held, strict=True) if ok]
+            if keys is not None
+            else None
+        )
         outcomes: list[PutResult] = []
         stored_bytes = 0
         if claimed and self.arenas is not None:
             outcomes, stored_bytes = self.arenas.commit(
-                session.namespace_id, session.mode_id, claimed, digests
+                session.namespace_id, session.mode_id, claimed, digests, addresses
             )
         committed = iter(outcomes)
         results = [next(committed) if ok else _NOT_RESERVED for ok in held]
         self._tally_puts(session, Counter(r.outcome for r in results), stored_bytes)
-        response = pb.PutResponse()
+        if keys is not None:
+            self._record_base_keys(session, keys, results)
+        response = pb.CommitSlotsResponse()
         response.results.extend(
             pb.PutResult(status=r.outcome, reason=r.reason)  # type: ignore[arg-type]
             for r in results
         )
+        if request.cancel_generations:
+            cancel = list(request.cancel_generations)
+            held = self.sessions.take_reservations(session, cancel)
+            if self.arenas is not None:
+                self.arenas.cancel([g for g, ok in zip(cancel, held, strict=True) if ok])
+        if request.spare_lengths:
+            _pack_grants(response.spare, self._spares(session, list(request.spare_lengths)))
         return response
+
+    def _spares(self, session: Session, lengths: list[int]) -> list[SlotReference | PutResult]:
+        if not session.shared_memory or self.arenas is None:
+            return [_SHM_REFUSED] * len(lengths)
+        limit = self.max_value_bytes
+        spare = iter(self.arenas.reserve_spare(session.namespace_id, [n for n in lengths if 0 < n <= limit]))
+        return self._hold(session, [next(spare) if 0 < n <= limit else self._too_large(n) for n in lengths])
+
+    def _record_base_keys(
+        self, session: Session, keys: Sequence[tuple[int, bytes, bytes]], results: Sequence[PutResult]
+    ) -> None:
+        """Base keys of what is now stored in this mode, as ReserveSlots records them."""
+        stored = (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT)
+        base_keys = [
+            (group, base_key)
+            for (group, _, base_key), result in zip(keys, results, strict=True)
+            if base_key and result.outcome in stored
+        ]
+        if base_keys:
+            self.base_index.record(session.namespace_id, session.mode_id, base_keys)
 
     @rpc(intake.HEARTBEAT)
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -828,8 +881,26 @@ def _packed_slot_items(request: pb.ReserveSlotsRequest, limits: ServiceLimits) -
             f"packed_lengths has {len(lengths)} lengths for {total} keys: send one per key, in order",
             "packed_lengths",
         )
+    items = _split_runs(request.packed_items)
+    return [(group, key, base, length) for (group, key, base), length in zip(items, lengths, strict=True)]
+
+
+def _commit_keys(request: pb.CommitSlotsRequest, limits: ServiceLimits) -> list[tuple[int, bytes, bytes]]:
+    """The keys of the spare slots a CommitSlots names: (group, key, base key), one per generation."""
+    total = validation.packed_runs(request.packed_items, "packed_items", limits)
+    if total != len(request.generations):
+        raise errors.invalid_request(
+            f"packed_items has {total} keys for {len(request.generations)} generations: send one key "
+            "per generation, in the same order, or none",
+            "packed_items",
+        )
+    return _split_runs(request.packed_items)
+
+
+def _split_runs(runs: Sequence[pb.PackedBlocks]) -> list[tuple[int, bytes, bytes]]:
+    """(group, key, base key) of checked packed runs (validation.packed_runs), in order."""
     items: list[tuple[int, bytes, bytes]] = []
-    for run in request.packed_items:
+    for run in runs:
         keys = wire.split_keys(run.keys, run.key_length)
         bases = (
             wire.split_keys(run.base_keys, len(run.base_keys) // len(keys))
@@ -837,7 +908,7 @@ def _packed_slot_items(request: pb.ReserveSlotsRequest, limits: ServiceLimits) -
             else repeat(b"", len(keys))
         )
         items.extend(zip(repeat(run.group), keys, bases))
-    return [(group, key, base, length) for (group, key, base), length in zip(items, lengths, strict=True)]
+    return items
 
 
 def _list_grants(grants: Any, granted: Sequence[SlotReference | PutResult]) -> None:

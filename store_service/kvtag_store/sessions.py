@@ -150,9 +150,13 @@ class SessionTable:
             unpins.append((lease.namespace_id, lease.addresses))
         return unpins
 
-    def add_reservations(self, session: Session, generations: Sequence[int]) -> None:
+    def add_reservations(self, session: Session, generations: Sequence[int]) -> bool:
+        """False when the session ended meanwhile: the caller cancels them, as nothing else would."""
         with self._lock:
+            if self._sessions.get(session.session_id) is not session:
+                return False
             session.reservations.update(generations)
+            return True
 
     def take_reservations(self, session: Session, generations: Sequence[int]) -> list[bool]:
         """Remove the given reservations from the session; True for each that it held (so exactly one

@@ -166,11 +166,18 @@ def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(
     client = _shm_client(make_client, store.endpoint, tenant="shm-tests")
     doomed_keys = [(0, f"doomed-{i}".encode()) for i in range(4)]
     assert client.get(doomed_keys) == [None] * 4
-    # Every byte of capacity is usable again: nothing stayed reserved.
+    # Every byte of capacity is usable again: nothing stayed reserved but the live client's spare
+    # slot for its next put (1/16 of the capacity here), which it gives back when it closes.
     fill = [(0, f"after-{i}".encode(), os.urandom(64 << 10), b"") for i in range(16)]
     assert client.put(fill) == [pb.STORED] * 16
     stats = _stats(store.endpoint)
-    assert (stats.used_bytes, stats.evictions, stats.reserved_bytes) == (1 << 20, 0, 0)
+    spare = sum(len(slots) for slots in client._spares.values()) * (64 << 10)
+    assert spare == 64 << 10
+    assert (stats.used_bytes + stats.reserved_bytes, stats.reserved_bytes) == (1 << 20, spare)
+    assert stats.evictions == 1  # the oldest block, for the spare slot
+    client.close()
+    stats = _stats(store.endpoint)
+    assert (stats.used_bytes, stats.reserved_bytes) == ((1 << 20) - spare, 0)
 
 
 def test_unmappable_arena_falls_back_to_inline_and_says_so_once(

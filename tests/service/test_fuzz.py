@@ -108,7 +108,11 @@ def _valid_messages(session_id: str, rng: random.Random) -> dict[str, bytes]:
             ]
         ),
         "CommitSlots": pb.CommitSlotsRequest(
-            session_id=session_id, generations=[rng.getrandbits(64) for _ in range(rng.randint(0, 4))]
+            session_id=session_id,
+            generations=[rng.getrandbits(64) for _ in range(rng.randint(0, 4))],
+            packed_items=rng.choice([[], [packed]]),
+            spare_lengths=[rng.randint(0, 5000) for _ in range(rng.randint(0, 3))],
+            cancel_generations=[rng.getrandbits(64) for _ in range(rng.randint(0, 2))],
         ),
         "GetReferences": rng.choice(
             [

@@ -7,6 +7,7 @@ import time
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_store.backends.base import BlockKey
+from kvtag_store.sessions import SessionTable
 
 from .conftest import ServerFactory
 from .faults import corrupt_memory_value
@@ -86,3 +87,13 @@ def test_a_new_put_after_corruption_stores_fresh_bytes(store: Store) -> None:
     store.get(opened.session_id, b"k")
     assert store.put(opened.session_id, (b"k", b"new" * 10)) == [pb.STORED]
     assert store.get(opened.session_id, b"k")[0].value == b"new" * 10
+
+
+def test_reservations_added_after_a_session_ended_are_refused_to_be_freed_by_the_caller() -> None:
+    """A slot granted while its session is being closed would otherwise be held by nobody."""
+    table = SessionTable(session_ttl_ms=10_000)
+    session = table.open("engine", "ns", "mode", {})
+    assert table.add_reservations(session, [1, 2])
+    table.close(session.session_id)
+    assert not table.add_reservations(session, [3])
+    assert 3 not in session.reservations

@@ -135,12 +135,17 @@ class SharedMemoryBackend(Protocol):
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
     ) -> list[SlotReference | PutResult]: ...
 
+    def reserve_spare(self, namespace_id: str, lengths: Sequence[int]) -> list[SlotReference | PutResult]:
+        """Slots for no key yet, for the session's next put (CommitSlotsRequest.spare_lengths)."""
+        ...
+
     def commit(
         self,
         namespace_id: str,
         mode_id: str,
         generations: Sequence[int],
         digests: Sequence[int] | None = None,
+        addresses: Sequence[BlockAddress] | None = None,
     ) -> tuple[list[PutResult], int]: ...
 
     def cancel(self, generations: Iterable[int]) -> None: ...

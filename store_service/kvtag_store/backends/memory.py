@@ -51,6 +51,16 @@ _MISMATCH = KeyStatus.MODE_MISMATCH
 # Results without a reason are immutable and shared: no allocation per stored item.
 _STORED = PutResult(PutOutcome.STORED)
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+# Spare slots (CommitSlotsRequest.spare_lengths) of a pool stay within this share of its capacity:
+# they save a put a round trip, and cost the store this much room at most.
+SPARE_SHARE = 16
+_KEYED_SLOT = PutResult(
+    PutOutcome.REJECTED,
+    "this slot was reserved for its key by ReserveSlots: commit it without packed_items",
+)
+_SPARE_WITHOUT_KEY = PutResult(
+    PutOutcome.REJECTED, "a spare slot is committed with its key: send packed_items, one key per generation"
+)
 _NO_RESERVATION = PutResult(
     PutOutcome.REJECTED,
     "no such reservation: the slot was not reserved by this session for this block, was already "
@@ -94,14 +104,14 @@ class _Entry:
 
 class _Reservation(NamedTuple):
     namespace_id: str
-    address: BlockAddress
+    address: BlockAddress | None  # None: a spare slot, bound to its key at commit
     slot: Slot
 
 
 class _Pool:
     """Bytes shared by some namespaces (one quota tenant's, or all the others') and their LRU order."""
 
-    __slots__ = ("capacity", "eager_left", "lru", "reserved", "tenant", "used")
+    __slots__ = ("capacity", "eager_left", "lru", "reserved", "spare", "tenant", "used")
 
     def __init__(self, capacity: int, tenant: str | None) -> None:
         self.capacity = capacity
@@ -111,6 +121,7 @@ class _Pool:
         self.tenant = tenant  # None: the shared pool
         self.used = 0
         self.reserved = 0  # bytes of slots reserved and not yet inserted
+        self.spare = 0  # of which spare slots, reserved for no key yet
         # Every block of the pool, least recently used first (pinned ones too: eviction skips them).
         self.lru: OrderedDict[_StoreKey, None] = OrderedDict()
 
@@ -381,25 +392,59 @@ class MemoryBackend:
                     out.append(grant)
         return out
 
+    def reserve_spare(self, namespace_id: str, lengths: Sequence[int]) -> list[SlotReference | PutResult]:
+        """Slots reserved for no key yet (CommitSlotsRequest.spare_lengths), while the pool's spare
+        slots stay within 1/SPARE_SHARE of its capacity; REJECTED for the rest. They evict like
+        any reservation: a full store holds that much less, and a put writing into them saves
+        a round trip."""
+        out: list[SlotReference | PutResult] = []
+        with self._lock:
+            ns = self._ns(namespace_id)
+            pool = ns.pool
+            for length in lengths:
+                if pool.spare + length > pool.capacity // SPARE_SHARE:
+                    out.append(PutResult(PutOutcome.REJECTED, "spare slots are at their share of capacity"))
+                    continue
+                slot = self._allocate_locked(ns, length)
+                if isinstance(slot, PutResult):
+                    out.append(slot)
+                    continue
+                pool.spare += length
+                self._reservations[slot.generation] = _Reservation(namespace_id, None, slot)
+                out.append(SlotReference(ns.arena.segment, slot.offset, slot.length, slot.generation))
+        return out
+
     def commit(
         self,
         namespace_id: str,
         mode_id: str,
         generations: Sequence[int],
         digests: Sequence[int] | None = None,
+        addresses: Sequence[BlockAddress] | None = None,
     ) -> tuple[list[PutResult], int]:
         """Shared-memory Put, step 2: the reserved slots (by generation) the client wrote. Each value is
         checksummed now, unless the writer sent `digests` (one per generation), and becomes visible
         only by its insert. A wrong client digest is caught by the first read's verification.
-        Returns a result per generation and the bytes newly stored."""
+        `addresses` (one per generation) bind spare slots to their keys. Returns a result per
+        generation and the bytes newly stored."""
+        refused: dict[int, PutResult] = {}
         with self._lock:
             taken: list[_Reservation | None] = []
-            for generation in generations:
+            for n, generation in enumerate(generations):
                 reservation = self._reservations.get(generation)
                 if reservation is None or reservation.namespace_id != namespace_id:
                     taken.append(None)
                     continue
                 del self._reservations[generation]
+                if (reservation.address is None) == (addresses is None):
+                    # Freed now: the session no longer holds it, so nothing else would.
+                    refused[n] = _SPARE_WITHOUT_KEY if addresses is None else _KEYED_SLOT
+                    self._free_reservation_locked(reservation)
+                    taken.append(None)
+                    continue
+                if reservation.address is None and addresses is not None:
+                    self._ns(namespace_id).pool.spare -= reservation.slot.length
+                    reservation = reservation._replace(address=addresses[n])
                 taken.append(reservation)
             ns = self._ns(namespace_id)
         if digests is None:
@@ -411,9 +456,9 @@ class MemoryBackend:
         stored = 0
         results: list[PutResult] = []
         with self._lock:
-            for r, digest in zip(taken, digests, strict=True):
-                if r is None:
-                    results.append(_NO_RESERVATION)
+            for n, (r, digest) in enumerate(zip(taken, digests, strict=True)):
+                if r is None or r.address is None:
+                    results.append(refused.get(n, _NO_RESERVATION))
                     continue
                 result = self._insert_locked(namespace_id, ns, mode_id, r.address, r.slot, digest)
                 if result is _STORED:
@@ -426,12 +471,16 @@ class MemoryBackend:
         with self._lock:
             for generation in generations:
                 reservation = self._reservations.pop(generation, None)
-                if reservation is None:
-                    continue
-                ns = self._namespaces.get(reservation.namespace_id)
-                if ns is not None:
-                    ns.arena.free(reservation.slot)
-                    ns.pool.reserved -= reservation.slot.length
+                if reservation is not None:
+                    self._free_reservation_locked(reservation)
+
+    def _free_reservation_locked(self, reservation: _Reservation) -> None:
+        ns = self._namespaces.get(reservation.namespace_id)
+        if ns is not None:
+            ns.arena.free(reservation.slot)
+            ns.pool.reserved -= reservation.slot.length
+            if reservation.address is None:
+                ns.pool.spare -= reservation.slot.length
 
     def _reserve_locked(
         self, namespace_id: str, ns: _Namespace, mode_id: str, address: BlockAddress, size: int
@@ -447,6 +496,12 @@ class MemoryBackend:
                 return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
             pool.lru.move_to_end((namespace_id, address))
             return _ALREADY_PRESENT
+        return self._allocate_locked(ns, size)
+
+    def _allocate_locked(self, ns: _Namespace, size: int) -> Slot | PutResult:
+        """A slot of `size` bytes, counted in reserved bytes, evicting to make room; REJECTED when the
+        pool is full of leases or the arena has no room. Caller holds the lock."""
+        pool = ns.pool
         if pool.used + pool.reserved + size > pool.capacity and not self._make_room(pool, size):
             return PutResult(PutOutcome.REJECTED, pool.full_of_leases(self._pinned_bytes(pool)))
         slot = ns.arena.allocate(size, next(self._generations))
@@ -472,6 +527,7 @@ class MemoryBackend:
             ns.arena.free(slot)
             if existing.mode_id != mode_id:
                 return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
+            ns.pool.lru.move_to_end((namespace_id, address))  # as ReserveSlots' ALREADY_PRESENT does
             return _ALREADY_PRESENT
         entry = _Entry(mode_id, ns.arena, slot, digest)
         ns.entries[address] = entry

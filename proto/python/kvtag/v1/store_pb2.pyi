@@ -272,14 +272,28 @@ class SlotGrant(_message.Message):
     def __init__(self, status: _Optional[_Union[PutStatus, str]] = ..., reason: _Optional[str] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ...) -> None: ...
 
 class CommitSlotsRequest(_message.Message):
-    __slots__ = ("session_id", "generations", "xxh3_64")
+    __slots__ = ("session_id", "generations", "xxh3_64", "packed_items", "spare_lengths", "cancel_generations")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     XXH3_64_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generations: _containers.RepeatedScalarFieldContainer[int]
     xxh3_64: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_items: _containers.RepeatedCompositeFieldContainer[PackedBlocks]
+    spare_lengths: _containers.RepeatedScalarFieldContainer[int]
+    cancel_generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ..., packed_items: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ..., spare_lengths: _Optional[_Iterable[int]] = ..., cancel_generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitSlotsResponse(_message.Message):
+    __slots__ = ("results", "spare")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    spare: PackedGrants
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., spare: _Optional[_Union[PackedGrants, _Mapping]] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ("grants", "packed")

@@ -96,7 +96,7 @@ class KvStoreStub:
         self.CommitSlots = channel.unary_unary(
                 '/kvtag.v1.KvStore/CommitSlots',
                 request_serializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.SerializeToString,
-                response_deserializer=kvtag_dot_v1_dot_store__pb2.PutResponse.FromString,
+                response_deserializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsResponse.FromString,
                 _registered_method=True)
         self.GetReferences = channel.unary_unary(
                 '/kvtag.v1.KvStore/GetReferences',
@@ -216,7 +216,7 @@ class KvStoreServicer:
         client's digests) and tags the written slots; only then are the values
         visible. One PutResult per generation,
         in order; a slot this session did not reserve (or already committed) is
-        REJECTED.
+        REJECTED. It may also grant spare slots for the next put.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -307,7 +307,7 @@ def add_KvStoreServicer_to_server(servicer, server):
             'CommitSlots': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitSlots,
                     request_deserializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.FromString,
-                    response_serializer=kvtag_dot_v1_dot_store__pb2.PutResponse.SerializeToString,
+                    response_serializer=kvtag_dot_v1_dot_store__pb2.CommitSlotsResponse.SerializeToString,
             ),
             'GetReferences': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReferences,
@@ -635,7 +635,7 @@ class KvStore:
             target,
             '/kvtag.v1.KvStore/CommitSlots',
             kvtag_dot_v1_dot_store__pb2.CommitSlotsRequest.SerializeToString,
-            kvtag_dot_v1_dot_store__pb2.PutResponse.FromString,
+            kvtag_dot_v1_dot_store__pb2.CommitSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

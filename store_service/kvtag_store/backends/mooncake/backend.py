@@ -69,6 +69,11 @@ _NO_RESERVATION = PutResult(
     "no such reservation: the slot was not reserved by this session for this block, was already "
     "committed, or its session expired; reserve again (ReserveSlots)",
 )
+# Spare slots would hold staging memory between puts that the reads also need: this backend
+# stages values only for the put that names them.
+_NO_SPARES = PutResult(
+    PutOutcome.REJECTED, "the Mooncake backend grants no spare slots: reserve them with ReserveSlots"
+)
 _STAGING_FULL = PutResult(
     PutOutcome.REJECTED,
     "the Mooncake backend's shared-memory staging arena is full (values being written or read by "
@@ -683,17 +688,27 @@ class MooncakeBackend:
                 )
         return [r if r is not None else _STAGING_FULL for r in out]
 
+    def reserve_spare(self, namespace_id: str, lengths: Sequence[int]) -> list[SlotReference | PutResult]:
+        """None granted (_NO_SPARES): the client keeps reserving with ReserveSlots."""
+        return [_NO_SPARES] * len(lengths)
+
     def commit(
         self,
         namespace_id: str,
         mode_id: str,
         generations: Sequence[int],
         digests: Sequence[int] | None = None,
+        addresses: Sequence[BlockAddress] | None = None,
     ) -> tuple[list[PutResult], int]:
         """Shared-memory Put, step 2: each written slot is checksummed, given its header in place and put
         into the cluster straight from the arena (one batch_put_from_multi_buffers), then judged by
         its stored header like any put. The slots are free again afterwards, whatever happened.
-        Client `digests` are not used: the stored header carries this backend's own CRC."""
+        Client `digests` are not used: the stored header carries this backend's own CRC. Keys sent
+        with `addresses` are for spare slots, which this backend never grants: such a commit frees the
+        slots it names and stores nothing."""
+        if addresses is not None:
+            self.cancel(generations)
+            return [_NO_SPARES] * len(generations), 0
         taken: list[tuple[str, BlockAddress, Staged] | None] = []
         with self._reserved_lock:
             for generation in generations:
