@@ -131,11 +131,9 @@ def _build_backend(
     args: argparse.Namespace, security: security_options.Security
 ) -> tuple[BlockBackend, CensusStore]:
     if args.backend == "mooncake":
-        if security.tenant_quotas or security.shm_groups:
-            raise ValueError(
-                "--tenant-quota and --shm-group apply to the memory backend only (docs/security.md)"
-            )
-        return mooncake_options.build(args)
+        if security.tenant_quotas:
+            raise ValueError("--tenant-quota applies to the memory backend only (docs/security.md)")
+        return mooncake_options.build(args, security.shm_groups)
     return (
         MemoryBackend(
             parse_size(str(args.capacity)),

@@ -5,6 +5,7 @@ replica reading the same blocks inline."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -114,6 +115,37 @@ def test_the_mooncake_backend_offers_the_shared_memory_path_only_with_a_director
     arena = staged.shared_arena("ns-" + uuid.uuid4().hex[:8])
     assert arena is not None and arena.path is not None
     assert os.stat(arena.path).st_mode & 0o777 == 0o600
+
+
+def test_shm_groups_give_each_tenants_staging_arena_to_its_group(
+    cluster: MooncakeCluster, shm_dir: Path
+) -> None:
+    """`--shm-group` over Mooncake: the tenant's staging file gets its group and mode 0660, as the
+    memory backend's arenas do; other tenants' stay 0600."""
+    settings = dataclasses.replace(staged_settings(cluster, shm_dir), shm_groups={"acme": 40001})
+    backend = MooncakeBackend(connect(settings_for(cluster)), settings)
+    try:
+        backend.assign_tenant("ns-acme", "acme")
+        backend.assign_tenant("ns-globex", "globex")
+        acme, globex = backend.shared_arena("ns-acme"), backend.shared_arena("ns-globex")
+        assert acme is not None and acme.path is not None and globex is not None and globex.path is not None
+        assert (os.stat(acme.path).st_gid, os.stat(acme.path).st_mode & 0o777) == (40001, 0o660)
+        assert os.stat(globex.path).st_mode & 0o777 == 0o600
+    finally:
+        backend.close()
+
+
+def test_the_mooncake_backend_grants_no_spare_slots_and_frees_what_a_keyed_commit_names(
+    staged: MooncakeBackend,
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    [refused] = staged.reserve_spare(ns, [64])
+    assert not isinstance(refused, SlotReference) and refused.outcome is PutOutcome.REJECTED
+    [grant] = staged.reserve(ns, MODE, [(addr("k"), 64)])
+    assert isinstance(grant, SlotReference)
+    results, stored = staged.commit(ns, MODE, [grant.generation], None, [addr("k")])
+    assert [r.outcome for r in results] == [PutOutcome.REJECTED] and stored == 0
+    assert staged.stats().reserved_bytes == 0
 
 
 def test_staged_round_trip_is_byte_exact_and_readable_by_the_inline_path(staged: MooncakeBackend) -> None:

@@ -15,8 +15,8 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtag_store.arena import Arena
@@ -126,6 +126,8 @@ class MooncakeSettings:
     # Where same-host clients map the staging arenas (the service's --shm-dir); None: inline only.
     shm_dir: str | None = None
     shm_staging_bytes: int = 256 << 20
+    # tenant -> gid of its staging arena file (--shm-group), mode 0660 instead of 0600.
+    shm_groups: Mapping[str, int] = field(default_factory=dict)
 
 
 def connect(settings: MooncakeSettings) -> MooncakeClient:
@@ -268,7 +270,9 @@ class MooncakeBackend:
         # instead of queueing more callers behind those retries.
         self._master_failed_at = -_BREAKER_S
         self._staging = (
-            Staging(client, settings.shm_dir, settings.shm_staging_bytes) if settings.shm_dir else None
+            Staging(client, settings.shm_dir, settings.shm_staging_bytes, settings.shm_groups)
+            if settings.shm_dir
+            else None
         )
         self._reservations: dict[int, tuple[str, BlockAddress, Staged]] = {}  # generation -> reserved
         self._reserved_lock = threading.Lock()

@@ -12,8 +12,10 @@ Sizes are read by config.parse_size (64MiB = 67,108,864 bytes, 64MB = 64,000,000
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvtag_store.backends.base import BlockBackend, CensusStore
@@ -123,12 +125,15 @@ def settings_from(args: argparse.Namespace) -> MooncakeSettings:
     )
 
 
-def build(args: argparse.Namespace) -> tuple[BlockBackend, CensusStore]:
-    """Connect to the Mooncake cluster named by the flags."""
+def build(
+    args: argparse.Namespace, shm_groups: Mapping[str, int] | None = None
+) -> tuple[BlockBackend, CensusStore]:
+    """Connect to the Mooncake cluster named by the flags; `shm_groups` (--shm-group) own the tenants'
+    staging arena files."""
     from kvtag_store.backends.mooncake.backend import MooncakeBackend, connect, read_master_metrics
     from kvtag_store.backends.mooncake.census import MooncakeCensus
 
-    settings = settings_from(args)
+    settings = dataclasses.replace(settings_from(args), shm_groups=dict(shm_groups or {}))
     client = connect(settings)
     try:
         # GetStats reads the master's metrics: a wrong --mooncake-metrics is a start-up error, not a

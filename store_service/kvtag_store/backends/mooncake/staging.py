@@ -27,6 +27,7 @@ import itertools
 import logging
 import struct
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,10 +91,14 @@ class StagedAddress(tuple[int, BlockKey]):
 class Staging:
     """Per-tenant staging arenas in `directory`, registered with the Mooncake client."""
 
-    def __init__(self, client: MooncakeClient, directory: str, size_bytes: int) -> None:
+    def __init__(
+        self, client: MooncakeClient, directory: str, size_bytes: int, groups: Mapping[str, int] | None = None
+    ) -> None:
+        """`groups`: tenant -> gid of its arena file (--shm-group), as the memory backend's arenas."""
         remove_orphans(directory)
         self._client = client
         self._directory = directory
+        self._groups = dict(groups or {})
         self._size = (ARENA_HEADER + size_bytes + EXTENT - 1) // EXTENT * EXTENT
         self._lock = threading.Lock()
         self._arenas: dict[str, tuple[Arena, int] | None] = {}  # tenant -> (arena, address); None: failed
@@ -120,7 +125,7 @@ class Staging:
             free = shared_memory_room(self._directory)
             if free < self._size:
                 raise OSError(f"it has {free} bytes free and the staging arena needs {self._size}")
-            arena = Arena(tenant, self._size, self._directory)
+            arena = Arena(tenant, self._size, self._directory, group=self._groups.get(tenant))
             holder = ctypes.c_char.from_buffer(arena.view)
             base = ctypes.addressof(holder)
             del holder  # the address stays valid while the arena is mapped
