@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Self
 
@@ -136,6 +137,8 @@ class Session:
         self._pending_releases: list[str] = []
         self._release_wake = threading.Event()
         self._releaser: threading.Thread | None = None
+        # Takes large shared-memory slots' digests beside the next copy (shared_memory_transfer).
+        self._digester: ThreadPoolExecutor | None = None
         # Spare slots granted by CommitSlots for the next put (shared_memory_transfer): value length ->
         # [(offset, generation, time the granting call was sent)], of the session and arena segment
         # they were granted in.
@@ -513,6 +516,9 @@ class Session:
         with self._lock:
             if self._arena is not None:
                 self._arena.close()
+            digester = self._digester
+        if digester is not None:
+            digester.shutdown(wait=True)
         self._channel.close()
 
     def __enter__(self) -> Self:

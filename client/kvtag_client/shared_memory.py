@@ -10,6 +10,7 @@ the slot to a writer).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -116,3 +117,22 @@ class ArenaMapping:
         """True while the slot at `offset` still holds the generation its reference was issued for."""
         held: int = _GENERATION.unpack_from(self._mmap, offset - 8)[0]
         return held == generation
+
+
+# Slots at least this large are copied into with the GIL released (copy_into) and digested on the
+# client's digest thread meanwhile (SharedPut.digest_soon): below it, handing a digest over costs more
+# than it takes (~3 us at 64 KiB).
+LARGE_SLOT_BYTES = 256 << 10
+
+
+def copy_into(slot: memoryview, value: bytes) -> None:
+    """slot[:] = value, but a large `bytes` value is copied by ctypes.memmove, which releases the GIL:
+    the previous slot's digest (SharedPut.digest_soon) then runs on another core meanwhile."""
+    if type(value) is bytes and len(value) == slot.nbytes and len(value) >= LARGE_SLOT_BYTES:
+        holder = ctypes.c_char.from_buffer(slot)
+        try:
+            ctypes.memmove(ctypes.addressof(holder), value, len(value))
+        finally:
+            del holder  # releases its export of the slot
+        return
+    slot[:] = value

@@ -7,7 +7,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import xxhash
 from kvtag.v1 import store_pb2 as pb
@@ -16,7 +17,7 @@ from kvtag_client.calls import Calls, Leases
 from kvtag_client.items import SizedItemFields
 from kvtag_client.lookups import pack_blocks
 from kvtag_client.session import _CallFailed, _Deadline
-from kvtag_client.shared_memory import ArenaMapping
+from kvtag_client.shared_memory import LARGE_SLOT_BYTES, ArenaMapping
 
 
 @dataclass
@@ -24,8 +25,9 @@ class SharedPut:
     """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
     into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
     (ALREADY_PRESENT, CONFLICT, REJECTED). `digests[i]` is the XXH3-64 of a written slot, taken at
-    the first digest(i): best right after writing it, while the bytes are in cache (put_from does);
-    commit takes the missing ones itself."""
+    the first digest(i): best right after writing it, while the bytes are in cache (put_from does,
+    with digest_soon: a large slot's digest then runs on the client's digest thread while the next
+    slot is written); commit takes the missing ones itself."""
 
     session_id: str
     items: list[SizedItemFields]
@@ -34,13 +36,32 @@ class SharedPut:
     generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
     spare: bool = False  # the slots are spare ones: the commit binds them to their keys
+    # Runs a digest on the client's digest thread (None: always here).
+    submit: Callable[[memoryview], Future[int]] | None = None
+    _pending: dict[int, Future[int]] = field(default_factory=dict)
 
     def digest(self, index: int) -> int:
         digest = self.digests[index]
         if digest is None:
+            pending = self._pending.pop(index, None)
             slot = self.slots[index]
-            digest = self.digests[index] = value_digest(slot) if slot is not None else 0
+            if pending is not None:
+                digest = pending.result()
+            else:
+                digest = value_digest(slot) if slot is not None else 0
+            self.digests[index] = digest
         return digest
+
+    def digest_soon(self, index: int) -> None:
+        """Take slot `index`'s digest now, or start it on the digest thread when the slot is large:
+        the hash and the next slot's copy (a memmove, a torch copy) both release the GIL, so they
+        run on two cores."""
+        slot = self.slots[index]
+        if slot is not None and self.submit is not None and slot.nbytes >= LARGE_SLOT_BYTES:
+            if index not in self._pending and self.digests[index] is None:
+                self._pending[index] = self.submit(slot)
+            return
+        self.digest(index)
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +135,16 @@ class SharedMemoryTransfer(Calls):
             with self._lock:
                 self.counters.put_dropped += len(items)
             return None
-        return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items))
+        return SharedPut(
+            session_id,
+            list(items),
+            statuses,
+            slots,
+            generations,
+            [None] * len(items),
+            False,
+            self._submit_digest,
+        )
 
     def _reserve_spare(
         self,
@@ -156,7 +186,16 @@ class SharedMemoryTransfer(Calls):
             with self._lock:
                 self._spares.clear()
             return None
-        return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items), True)
+        return SharedPut(
+            session_id,
+            list(items),
+            statuses,
+            slots,
+            generations,
+            [None] * len(items),
+            True,
+            self._submit_digest,
+        )
 
     def _spare_request(self, reservation: SharedPut, pending: list[int]) -> tuple[list[int], list[int]]:
         """What the last commit of a put asks: spare lengths that, with those held, make one put like
@@ -347,6 +386,21 @@ class SharedMemoryTransfer(Calls):
         response = self._call(deadline, rpc)
         if response.lease.lease_id:
             self._release_soon(response.lease.lease_id)
+
+    def _submit_digest(self, slot: memoryview) -> Future[int]:
+        """value_digest(slot) on the client's digest thread (started at the first large put)."""
+        with self._lock:
+            if self._digester is None and not self._closed.is_set():
+                self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvtag-digest")
+            digester = self._digester
+        try:
+            if digester is not None:
+                return digester.submit(value_digest, slot)
+        except RuntimeError:  # shut down by close(): take it here
+            pass
+        done: Future[int] = Future()
+        done.set_result(value_digest(slot))
+        return done
 
     def _take_pending_release(self) -> str:
         with self._lock:

@@ -17,6 +17,7 @@ from kvtag_client.inline_transfer import InlineTransfer
 from kvtag_client.items import PutItem, PutItemFields, SizedItem, SizedItemFields
 from kvtag_client.lookups import LookupResult, Lookups, PackedKeys, pack_blocks
 from kvtag_client.session import ClientCounters, StoreState
+from kvtag_client.shared_memory import copy_into
 from kvtag_client.shared_memory_transfer import SharedMemoryTransfer, SharedPut
 
 __all__ = [
@@ -51,7 +52,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         if self._shared_arena() is not None:
 
             def copy(index: int, slot: memoryview) -> None:
-                slot[:] = items[index][2]
+                copy_into(slot, items[index][2])
 
             return self.put_from([(g, k, len(v), b) for g, k, v, b in items], copy)
         return self._put_inline(items)
@@ -96,7 +97,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
         for index, slot in enumerate(reservation.slots):
             if slot is not None:
                 fill(index, slot)
-                reservation.digest(index)  # now, while the bytes are in cache
+                reservation.digest_soon(index)  # now, while the bytes are in cache
         return self.commit(reservation)
 
     def get_into(

@@ -16,6 +16,7 @@ import pytest
 import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_client.shared_memory import LARGE_SLOT_BYTES
 from kvtag_client.store import StoreClient
 from kvtag_proto import pages
 
@@ -420,6 +421,30 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
     assert client.get([(0, b"liar"), (0, b"honest")]) == [None, b"honest"]
     assert _stats(shared_store.endpoint).corrupted_dropped == before + 1
     assert client.lookup([(0, b"liar", b"")]).prefix_length == 0
+
+
+def test_large_values_are_digested_on_the_digest_thread_and_commit_their_exact_digests(
+    shared_store: StoreProcess, make_client: ClientFactory
+) -> None:
+    """Values of LARGE_SLOT_BYTES and more are copied with the GIL released and digested on the
+    client's digest thread beside the next copy; the digests committed are the values' own (the
+    references carry them back), and the thread ends with the client."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant="digest-thread")
+    values = [os.urandom(LARGE_SLOT_BYTES + n) for n in (0, 4096)] + [b"small"]
+    items = [(0, f"dt-{n}".encode(), v, b"") for n, v in enumerate(values)]
+    assert client.put(items) == [pb.STORED] * 3
+    digesters = [t for t in threading.enumerate() if t.name.startswith("kvtag-digest")]
+    assert len(digesters) == 1
+    request = pb.GetRequest(session_id=client.session_id, verify_in_client=True)
+    for _, key, _, _ in items:
+        request.blocks.add(key=key)
+    reply = client._stub.GetReferences(request, timeout=10)
+    assert [r.xxh3_64 for r in reply.results] == [xxhash.xxh3_64_intdigest(v) for v in values]
+    client.release([reply.lease.lease_id])
+    assert client.get([(0, k) for _, k, _, _ in items]) == values
+    client.close()
+    digesters[0].join(timeout=10)
+    assert not digesters[0].is_alive()
 
 
 def test_packed_get_references_answer_exactly_what_the_message_per_block_form_does(
