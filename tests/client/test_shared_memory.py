@@ -440,7 +440,7 @@ def test_large_values_are_digested_on_the_digest_thread_and_commit_their_exact_d
         request.blocks.add(key=key)
     reply = client._stub.GetReferences(request, timeout=10)
     assert [r.xxh3_64 for r in reply.results] == [xxhash.xxh3_64_intdigest(v) for v in values]
-    client.release([reply.lease.lease_id])
+    client.release((reply.lease.lease_id,))
     assert client.get([(0, k) for _, k, _, _ in items]) == values
     client.close()
     digesters[0].join(timeout=10)
