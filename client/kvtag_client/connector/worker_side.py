@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtag_client.items import PutItem, SizedItem
+from kvtag_client.shared_memory import LARGE_SLOT_BYTES
 
 from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
 from .metadata import BlockTransfer, KvtagConnectorMetadata, SaveJob
@@ -115,9 +116,11 @@ class WorkerSide:
             self.saver.withdraw(nbytes)
             self._stats.add("dropped_saves", len(sized))
             return
-        for transfer, slot in zip(transfers, reservation.slots, strict=True):
+        for index, (transfer, slot) in enumerate(zip(transfers, reservation.slots, strict=True)):
             if slot is not None:
                 gather_into(self._views[transfer.group], transfer.block_id, slot)
+                if slot.nbytes >= LARGE_SLOT_BYTES:  # beside the next gather; small ones at commit
+                    reservation.digest_soon(index)
         self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
 
     def _load(self, req_id: str, transfers: list[BlockTransfer], leases: tuple[str, ...]) -> set[int]:
