@@ -57,6 +57,7 @@ def stats_response(stats: BackendStats, tenants: dict[str, str], caller: Princip
             leased_keys=stats.leased_keys,
             corrupted_dropped=stats.corrupted_dropped,
             reserved_bytes=stats.reserved_bytes,
+            spare_bytes=stats.spare_bytes,
             namespaces=namespace_rows,
             tenants=tenant_rows,
         )

@@ -174,7 +174,11 @@ def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(
     stats = _stats(store.endpoint)
     spare = sum(len(slots) for slots in client._spares.values()) * (64 << 10)
     assert spare == 64 << 10
-    assert (stats.used_bytes + stats.reserved_bytes, stats.reserved_bytes) == (1 << 20, spare)
+    assert (stats.used_bytes + stats.reserved_bytes, stats.reserved_bytes, stats.spare_bytes) == (
+        1 << 20,
+        spare,
+        spare,
+    )
     assert stats.evictions == 1  # the oldest block, for the spare slot
     client.close()
     stats = _stats(store.endpoint)

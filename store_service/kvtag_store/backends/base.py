@@ -85,6 +85,8 @@ class BackendStats:
     shared_pool_bytes: int = 0
     # Shared-memory slots reserved and not yet committed (memory backend).
     reserved_bytes: int = 0
+    # Of which spare slots held for sessions' next puts.
+    spare_bytes: int = 0
 
 
 class BackendUnavailable(Exception):

@@ -871,6 +871,7 @@ class MemoryBackend:
                 },
                 shared_pool_bytes=self._shared.capacity,
                 reserved_bytes=sum(pool.reserved for pool in self._pools),
+                spare_bytes=sum(pool.spare for pool in self._pools),
             )
 
     def slots_in_use(self) -> int:

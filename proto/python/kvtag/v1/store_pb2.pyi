@@ -659,7 +659,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants", "reserved_bytes")
+    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants", "reserved_bytes", "spare_bytes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -670,6 +670,7 @@ class GetStatsResponse(_message.Message):
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     capacity_bytes: int
     used_bytes: int
@@ -680,4 +681,5 @@ class GetStatsResponse(_message.Message):
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     reserved_bytes: int
-    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+    spare_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ...) -> None: ...
