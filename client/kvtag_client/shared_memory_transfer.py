@@ -135,16 +135,7 @@ class SharedMemoryTransfer(Calls):
             with self._lock:
                 self.counters.put_dropped += len(items)
             return None
-        return SharedPut(
-            session_id,
-            list(items),
-            statuses,
-            slots,
-            generations,
-            [None] * len(items),
-            False,
-            self._submit_digest,
-        )
+        return self._shared_put(session_id, items, statuses, slots, generations, spare=False)
 
     def _reserve_spare(
         self,
@@ -186,15 +177,20 @@ class SharedMemoryTransfer(Calls):
             with self._lock:
                 self._spares.clear()
             return None
+        return self._shared_put(session_id, items, statuses, slots, generations, spare=True)
+
+    def _shared_put(
+        self,
+        session_id: str,
+        items: Sequence[SizedItemFields],
+        statuses: list[int],
+        slots: list[memoryview | None],
+        generations: list[int | None],
+        spare: bool,
+    ) -> SharedPut:
+        digests: list[int | None] = [None] * len(items)
         return SharedPut(
-            session_id,
-            list(items),
-            statuses,
-            slots,
-            generations,
-            [None] * len(items),
-            True,
-            self._submit_digest,
+            session_id, list(items), statuses, slots, generations, digests, spare, self._submit_digest
         )
 
     def _spare_request(self, reservation: SharedPut, pending: list[int]) -> tuple[list[int], list[int]]:
