@@ -349,10 +349,10 @@ class MemoryBackend:
     def put_many(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
     ) -> list[PutResult]:
-        """Checksums first, outside the lock (the checksum releases the GIL). Then per _PUT_CHUNK items:
-        slots under the lock, copies into them outside it, inserts under the lock again (so a huge
-        batch does not stall Lookups for long); a repeated address sees the earlier item."""
-        digests = [checksum(value) if len(value) <= self._capacity else -1 for _, value in items]
+        """Per _PUT_CHUNK items: slots under the lock, then outside it each value copied into its slot
+        and checksummed there, right after the copy, while the slot's bytes are in cache (on the
+        received message, still cold, it cost ~5 GB/s against ~25), then inserts under the lock again
+        (so a huge batch does not stall Lookups for long); a repeated address sees the earlier item."""
         results: list[PutResult] = []
         for start in range(0, len(items), _PUT_CHUNK):
             chunk = items[start : start + _PUT_CHUNK]
@@ -360,17 +360,19 @@ class MemoryBackend:
                 ns = self._ns(namespace_id)
                 granted = [self._reserve_locked(namespace_id, ns, mode_id, a, len(v)) for a, v in chunk]
             view = ns.arena.view
+            digests: list[int] = []
             for (_, value), grant in zip(chunk, granted, strict=True):
                 if isinstance(grant, Slot):
-                    view[grant.offset : grant.offset + grant.length] = value
+                    slot = view[grant.offset : grant.offset + grant.length]
+                    slot[:] = value
+                    digests.append(checksum(slot))
+            stored = iter(digests)
             with self._lock:
                 results.extend(
-                    self._insert_locked(namespace_id, ns, mode_id, address, grant, digest)
+                    self._insert_locked(namespace_id, ns, mode_id, address, grant, next(stored))
                     if isinstance(grant, Slot)
                     else grant
-                    for (address, _), grant, digest in zip(
-                        chunk, granted, digests[start : start + _PUT_CHUNK], strict=True
-                    )
+                    for (address, _), grant in zip(chunk, granted, strict=True)
                 )
         return results
 
