@@ -31,6 +31,7 @@ import secrets
 import struct
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -215,6 +216,23 @@ class Arena:
         if self._faulted < self._top + self._window // 2 and self._faulted < self.size:
             PREFAULTER.kick()
         return Slot(start + SLOT_HEADER, length, span, generation)
+
+    def allocate_many(self, length: int, generations: Sequence[int]) -> list[Slot]:
+        """allocate() for several values of one length (its span and prefault check computed once);
+        fewer slots than generations when the arena runs out of room."""
+        span = self.span_for(length)
+        take, pack, memory = self._take, _GENERATION.pack_into, self._mmap
+        slots: list[Slot] = []
+        for generation in generations:
+            start = take(span)
+            if start is None:
+                break
+            pack(memory, start + SLOT_HEADER - 8, generation)
+            slots.append(Slot(start + SLOT_HEADER, length, span, generation))
+        self.slots_in_use += len(slots)
+        if slots and self._faulted < self._top + self._window // 2 and self._faulted < self.size:
+            PREFAULTER.kick()
+        return slots
 
     def free(self, slot: Slot) -> None:
         """Return a slot. Its bytes and generation stay until it is handed out again."""

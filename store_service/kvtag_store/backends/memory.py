@@ -58,6 +58,7 @@ _KEYED_SLOT = PutResult(
     PutOutcome.REJECTED,
     "this slot was reserved for its key by ReserveSlots: commit it without packed_items",
 )
+_SPARE_SHARE_FULL = PutResult(PutOutcome.REJECTED, "spare slots are at their share of capacity")
 _SPARE_WITHOUT_KEY = PutResult(
     PutOutcome.REJECTED, "a spare slot is committed with its key: send packed_items, one key per generation"
 )
@@ -399,21 +400,35 @@ class MemoryBackend:
         slots stay within 1/SPARE_SHARE of its capacity; REJECTED for the rest. They evict like
         any reservation: a full store holds that much less, and a put writing into them saves
         a round trip."""
-        out: list[SlotReference | PutResult] = []
         with self._lock:
             ns = self._ns(namespace_id)
-            pool = ns.pool
-            for length in lengths:
-                if pool.spare + length > pool.capacity // SPARE_SHARE:
-                    out.append(PutResult(PutOutcome.REJECTED, "spare slots are at their share of capacity"))
+            pool, arena = ns.pool, ns.arena
+            share = pool.capacity // SPARE_SHARE
+            slots: list[Slot] = []
+            if lengths and len(set(lengths)) == 1:
+                # The usual request (one put's blocks, of one size): all at once when they fit in the
+                # share and in free room, so there is no eviction to decide per slot.
+                length, need = lengths[0], lengths[0] * len(lengths)
+                if pool.spare + need <= share and pool.used + pool.reserved + need <= pool.capacity:
+                    slots = arena.allocate_many(length, [next(self._generations) for _ in lengths])
+                    pool.reserved += length * len(slots)
+                    pool.spare += length * len(slots)
+            granted: list[Slot | PutResult] = list(slots)
+            for length in lengths[len(slots) :]:  # the others one by one, evicting as a put would
+                if pool.spare + length > share:
+                    granted.append(_SPARE_SHARE_FULL)
                     continue
                 slot = self._allocate_locked(ns, length)
-                if isinstance(slot, PutResult):
-                    out.append(slot)
+                if isinstance(slot, Slot):
+                    pool.spare += length
+                granted.append(slot)
+            out: list[SlotReference | PutResult] = []
+            for grant in granted:
+                if isinstance(grant, PutResult):
+                    out.append(grant)
                     continue
-                pool.spare += length
-                self._reservations[slot.generation] = _Reservation(namespace_id, None, slot)
-                out.append(SlotReference(ns.arena.segment, slot.offset, slot.length, slot.generation))
+                self._reservations[grant.generation] = _Reservation(namespace_id, None, grant)
+                out.append(SlotReference(arena.segment, grant.offset, grant.length, grant.generation))
         return out
 
     def commit(
@@ -430,41 +445,44 @@ class MemoryBackend:
         `addresses` (one per generation) bind spare slots to their keys. Returns a result per
         generation and the bytes newly stored."""
         refused: dict[int, PutResult] = {}
+        reservations = self._reservations
         with self._lock:
-            taken: list[_Reservation | None] = []
+            ns = self._ns(namespace_id)
+            # (address, slot) of each generation held, None where it is not.
+            taken: list[tuple[BlockAddress, Slot] | None] = []
             for n, generation in enumerate(generations):
-                reservation = self._reservations.get(generation)
+                reservation = reservations.get(generation)
                 if reservation is None or reservation.namespace_id != namespace_id:
                     taken.append(None)
                     continue
-                del self._reservations[generation]
-                if (reservation.address is None) == (addresses is None):
+                del reservations[generation]
+                address = reservation.address
+                if address is None and addresses is not None:  # a spare slot, bound to its key now
+                    ns.pool.spare -= reservation.slot.length
+                    address = addresses[n]
+                elif address is None or addresses is not None:
                     # Freed now: the session no longer holds it, so nothing else would.
                     refused[n] = _SPARE_WITHOUT_KEY if addresses is None else _KEYED_SLOT
                     self._free_reservation_locked(reservation)
                     taken.append(None)
                     continue
-                if reservation.address is None and addresses is not None:
-                    self._ns(namespace_id).pool.spare -= reservation.slot.length
-                    reservation = reservation._replace(address=addresses[n])
-                taken.append(reservation)
-            ns = self._ns(namespace_id)
+                taken.append((address, reservation.slot))
         if digests is None:
             view = ns.arena.view
             digests = [
-                checksum(view[r.slot.offset : r.slot.offset + r.slot.length]) if r is not None else 0
-                for r in taken
+                checksum(view[t[1].offset : t[1].offset + t[1].length]) if t is not None else 0 for t in taken
             ]
         stored = 0
         results: list[PutResult] = []
+        insert = self._insert_locked
         with self._lock:
-            for n, (r, digest) in enumerate(zip(taken, digests, strict=True)):
-                if r is None or r.address is None:
+            for n, (t, digest) in enumerate(zip(taken, digests, strict=True)):
+                if t is None:
                     results.append(refused.get(n, _NO_RESERVATION))
                     continue
-                result = self._insert_locked(namespace_id, ns, mode_id, r.address, r.slot, digest)
+                result = insert(namespace_id, ns, mode_id, t[0], t[1], digest)
                 if result is _STORED:
-                    stored += r.slot.length
+                    stored += t[1].length
                 results.append(result)
         return results, stored
 
