@@ -59,6 +59,22 @@ def test_a_full_arena_refuses_then_coalesced_free_space_serves_a_larger_slot() -
         arena.close()
 
 
+def test_allocate_many_takes_freed_slots_then_fresh_ones_and_stops_when_the_arena_is_full() -> None:
+    arena = Arena("", EXTENT, None)
+    first = arena.allocate_many(100_000, range(1, 6))
+    assert [s.generation for s in first] == [1, 2, 3, 4, 5]
+    arena.free(first[1])
+    again = arena.allocate_many(100_000, range(10, 10_000))  # more than fit
+    assert again[0].start == first[1].start  # the freed slot first, with its new generation
+    assert arena.generation(again[0].offset) == 10
+    assert 0 < len(again) < 9_990 and arena.slots_in_use == 4 + len(again)
+    try:
+        arena.check_disjoint([*first[:1], *first[2:], *again])
+        assert arena.allocate(100_000, 1) is None
+    finally:
+        arena.close()
+
+
 def test_arena_files_are_private_and_orphans_are_removed(tmp_path: Path) -> None:
     arena = Arena("tenant-a", 2 * EXTENT, str(tmp_path))
     assert arena.path is not None
