@@ -274,8 +274,11 @@ class SharedMemoryTransfer(Calls):
                     return sid, sent_at, self._stub.CommitSlots(request, timeout=timeout)
 
                 session_id, sent_at, response = self._call(deadline, rpc)
-                for n, result in zip(chunk, response.results, strict=False):
-                    results[n] = result.status
+                answered = (
+                    response.packed_statuses if reservation.spare else [r.status for r in response.results]
+                )
+                for n, status in zip(chunk, answered, strict=False):
+                    results[n] = status
                 if last and ask:
                     self._keep_spares(session_id, sent_at, ask, response.spare)
                 sent_any = True

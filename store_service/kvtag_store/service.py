@@ -70,6 +70,8 @@ _SHM_IN_PUT = PutResult(
     "commit them (CommitSlots), or send the bytes in `value`",
 )
 _NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
+# Put outcomes that carry no reason (the rest do, in CommitSlotsResponse.packed_reasons).
+_SETTLED = (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT)
 _SESSION_ENDED = PutResult(
     PutOutcome.REJECTED, "the session ended while its slots were being reserved; open a new session"
 )
@@ -405,10 +407,14 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if keys is not None:
             self._record_base_keys(session, keys, results)
         response = pb.CommitSlotsResponse()
-        response.results.extend(
-            pb.PutResult(status=r.outcome, reason=r.reason)  # type: ignore[arg-type]
-            for r in results
-        )
+        if keys is not None:
+            response.packed_statuses = bytes(r.outcome for r in results)
+            response.packed_reasons.extend([r.reason for r in results if r.outcome not in _SETTLED])
+        else:
+            response.results.extend(
+                pb.PutResult(status=r.outcome, reason=r.reason)  # type: ignore[arg-type]
+                for r in results
+            )
         if request.cancel_generations:
             cancel = list(request.cancel_generations)
             held = self.sessions.take_reservations(session, cancel)

@@ -98,6 +98,22 @@ def test_a_spare_slot_never_overwrites_a_stored_block_and_keeps_its_mode(
         assert slot is not None
         slot[:] = value
     assert writer.commit(reservation) == [pb.ALREADY_PRESENT, pb.CONFLICT]
+    # The same answer on the wire: packed statuses, and a reason only for the CONFLICT.
+    gens = writer.reserve([(0, b"first", 64, b""), (0, b"theirs", 64, b"")])
+    assert gens is not None and gens.spare
+    wire = writer._stub.CommitSlots(
+        pb.CommitSlotsRequest(
+            session_id=writer.session_id,
+            generations=[g for g in gens.generations if g is not None],
+            packed_items=[
+                pb.PackedBlocks(key_length=5, keys=b"first"),
+                pb.PackedBlocks(key_length=6, keys=b"theirs"),
+            ],
+        ),
+        timeout=10,
+    )
+    assert list(wire.packed_statuses) == [pb.ALREADY_PRESENT, pb.CONFLICT] and not wire.results
+    assert len(wire.packed_reasons) == 1 and "held by mode" in wire.packed_reasons[0]
     assert writer.get([(0, b"first"), (0, b"theirs")]) == [b"1" * 64, None]
     assert lookahead.get([(0, b"theirs")]) == [b"t" * 64]
 
@@ -174,8 +190,9 @@ def test_commit_slots_refuses_or_rejects_every_malformed_spare_form(
     with_key = commit(
         generations=[keyed.generations[0]], packed_items=[pb.PackedBlocks(key_length=5, keys=b"keyed")]
     )
-    assert [r.status for r in with_key.results] == [pb.REJECTED]
-    assert "ReserveSlots" in with_key.results[0].reason
+    # With packed_items the results come packed too: a status byte each, reasons of the refused.
+    assert not with_key.results and list(with_key.packed_statuses) == [pb.REJECTED]
+    assert len(with_key.packed_reasons) == 1 and "ReserveSlots" in with_key.packed_reasons[0]
 
     # The other spare is cancelled unwritten: all reserved bytes are back, nothing was stored.
     assert list(commit(cancel_generations=[spare_b]).results) == []

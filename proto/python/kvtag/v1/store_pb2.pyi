@@ -288,12 +288,16 @@ class CommitSlotsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., generations: _Optional[_Iterable[int]] = ..., xxh3_64: _Optional[_Iterable[int]] = ..., packed_items: _Optional[_Iterable[_Union[PackedBlocks, _Mapping]]] = ..., spare_lengths: _Optional[_Iterable[int]] = ..., cancel_generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitSlotsResponse(_message.Message):
-    __slots__ = ("results", "spare")
+    __slots__ = ("results", "spare", "packed_statuses", "packed_reasons")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_REASONS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[PutResult]
     spare: PackedGrants
-    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., spare: _Optional[_Union[PackedGrants, _Mapping]] = ...) -> None: ...
+    packed_statuses: bytes
+    packed_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., spare: _Optional[_Union[PackedGrants, _Mapping]] = ..., packed_statuses: _Optional[bytes] = ..., packed_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveSlotsResponse(_message.Message):
     __slots__ = ("grants", "packed")
