@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import groupby, repeat
 from operator import itemgetter
 
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls, Leases
@@ -87,6 +88,14 @@ def pack_blocks(blocks: Sequence[tuple[int, bytes, bytes]]) -> list[PackedKeys]:
             )
         position = end
     return runs
+
+
+def add_runs(field: RepeatedCompositeFieldContainer[pb.PackedBlocks], runs: Iterable[PackedKeys]) -> None:
+    """Append runs to a request's repeated PackedBlocks field, each filled in place (a message built
+    apart would be copied in)."""
+    add = field.add
+    for run in runs:
+        add(key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys)
 
 
 def _chunked(runs: Sequence[PackedKeys], limit: int) -> Iterator[tuple[int, list[PackedKeys]]]:
@@ -183,14 +192,12 @@ class Lookups(Calls):
         self, deadline: _Deadline, runs: list[PackedKeys], lease_ms: int, leases: list[str]
     ) -> bytes:
         """One Lookup RPC over at most max_batch_items keys: their statuses, one byte each."""
-        packed = [
-            pb.PackedBlocks(key_length=r.key_length, keys=r.keys, group=r.group, base_keys=r.base_keys)
-            for r in runs
-        ]
+        request = pb.LookupRequest(lease_ms=lease_ms)
+        add_runs(request.packed_blocks, runs)
         wanted = sum(r.count for r in runs)
 
         def rpc(sid: str, timeout: float) -> pb.LookupResponse:
-            request = pb.LookupRequest(session_id=sid, packed_blocks=packed, lease_ms=lease_ms)
+            request.session_id = sid
             response: pb.LookupResponse = self._stub.Lookup(request, timeout=timeout)
             return response
 

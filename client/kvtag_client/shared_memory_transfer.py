@@ -15,7 +15,7 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Calls, Leases
 from kvtag_client.items import SizedItemFields
-from kvtag_client.lookups import pack_blocks
+from kvtag_client.lookups import add_runs, pack_blocks
 from kvtag_client.session import _CallFailed, _Deadline
 from kvtag_client.shared_memory import LARGE_SLOT_BYTES, ArenaMapping
 
@@ -103,11 +103,10 @@ class SharedMemoryTransfer(Calls):
             for start in range(0, len(sendable), size):
                 chunk = sendable[start : start + size]
                 reserve_request = pb.ReserveSlotsRequest(packed_lengths=[items[n][2] for n in chunk])
-                add = reserve_request.packed_items.add
-                for run in pack_blocks(
-                    [(items[n][0], items[n][1], self._base_key(items[n][3])) for n in chunk]
-                ):
-                    add(key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys)
+                add_runs(
+                    reserve_request.packed_items,
+                    pack_blocks([(items[n][0], items[n][1], self._base_key(items[n][3])) for n in chunk]),
+                )
 
                 def rpc(
                     sid: str, timeout: float, request: pb.ReserveSlotsRequest = reserve_request
@@ -156,11 +155,8 @@ class SharedMemoryTransfer(Calls):
         need = Counter(items[n][2] for n in sendable)
         with self._lock:
             session_id = self.session_id
-            if self._spares_of[0] != session_id:
-                self._spares.clear()  # granted in an earlier session: gone with it
-                return None
+            fresh_since = self._spares_fresh_since_locked()
             spares = self._spares
-            fresh_since = time.monotonic() - self.session_ttl_ms / 2000.0
             for length, count in need.items():
                 held = spares.get(length, [])
                 if len(held) < count or any(granted < fresh_since for *_, granted in held[-count:]):
@@ -200,10 +196,8 @@ class SharedMemoryTransfer(Calls):
             return [], []
         want = Counter(reservation.items[n][2] for n in pending)
         with self._lock:
-            if self._spares_of[0] != self.session_id:
-                self._spares.clear()
             # Give back spares of other lengths, and stale ones (see _reserve_spare).
-            fresh_since = time.monotonic() - self.session_ttl_ms / 2000.0
+            fresh_since = self._spares_fresh_since_locked()
             cancel: list[int] = []
             for length in list(self._spares):
                 held = self._spares.pop(length)
@@ -217,6 +211,13 @@ class SharedMemoryTransfer(Calls):
                 for _ in range(count - len(self._spares.get(length, ())))
             ]
         return ask, cancel
+
+    def _spares_fresh_since_locked(self) -> float:
+        """The oldest grant time of a spare that may still be written (see _reserve_spare), after
+        dropping the spares of an earlier session: gone with it. Caller holds the lock."""
+        if self._spares_of[0] != self.session_id:
+            self._spares.clear()
+        return time.monotonic() - self.session_ttl_ms / 2000.0
 
     def _keep_spares(
         self, session_id: str, sent_at: float, lengths: list[int], granted: pb.PackedGrants
@@ -256,12 +257,11 @@ class SharedMemoryTransfer(Calls):
                     xxh3_64=[reservation.digest(n) for n in chunk],
                 )
                 if reservation.spare:  # the keys the spare slots are for
-                    add = request.packed_items.add
                     keyed = [reservation.items[n] for n in chunk]
-                    for run in pack_blocks([(g, key, self._base_key(base)) for g, key, _, base in keyed]):
-                        add(
-                            key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys
-                        )
+                    add_runs(
+                        request.packed_items,
+                        pack_blocks([(g, key, self._base_key(base)) for g, key, _, base in keyed]),
+                    )
                 if last:
                     request.spare_lengths.extend(ask)
                     request.cancel_generations.extend(cancel)
@@ -316,9 +316,9 @@ class SharedMemoryTransfer(Calls):
                 get_request = pb.GetRequest(lease_id=attached if last else "", verify_in_client=True)
                 if carried and c == 0:
                     get_request.lease_id = carried
-                add = get_request.packed_blocks.add
-                for run in pack_blocks([(blocks[n][0], blocks[n][1], b"") for n in chunk]):
-                    add(key_length=run.key_length, keys=run.keys, group=run.group)
+                add_runs(
+                    get_request.packed_blocks, pack_blocks([(blocks[n][0], blocks[n][1], b"") for n in chunk])
+                )
 
                 def rpc(
                     sid: str, timeout: float, request: pb.GetRequest = get_request

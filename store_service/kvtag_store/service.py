@@ -70,7 +70,8 @@ _SHM_IN_PUT = PutResult(
     "commit them (CommitSlots), or send the bytes in `value`",
 )
 _NO_PAYLOAD = PutResult(PutOutcome.REJECTED, "item carries no payload; set `value`")
-# Put outcomes that carry no reason (the rest do, in CommitSlotsResponse.packed_reasons).
+# Put outcomes after which the block is stored in the caller's mode; they carry no reason (the rest
+# do, in CommitSlotsResponse.packed_reasons).
 _SETTLED = (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT)
 _SESSION_ENDED = PutResult(
     PutOutcome.REJECTED, "the session ended while its slots were being reserved; open a new session"
@@ -435,11 +436,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self, session: Session, keys: Sequence[tuple[int, bytes, bytes]], results: Sequence[PutResult]
     ) -> None:
         """Base keys of what is now stored in this mode, as ReserveSlots records them."""
-        stored = (PutOutcome.STORED, PutOutcome.ALREADY_PRESENT)
         base_keys = [
             (group, base_key)
             for (group, _, base_key), result in zip(keys, results, strict=True)
-            if base_key and result.outcome in stored
+            if base_key and result.outcome in _SETTLED
         ]
         if base_keys:
             self.base_index.record(session.namespace_id, session.mode_id, base_keys)
