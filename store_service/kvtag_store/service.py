@@ -509,8 +509,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         answers on the key bytes (no tuple per key); other backends get (group, key) addresses."""
         packed = getattr(self.backend, "lookup_packed_and_pin", None)
         if packed is not None:
-            split = [(run.group, wire.split_keys(run.keys, run.key_length)) for run in runs]
-            statuses, pinned = packed(ns_id, mode_id, split)
+            statuses, pinned = packed(ns_id, mode_id, [(run.group, run.keys, run.key_length) for run in runs])
             return statuses, pinned if pinned is not None else ()
         listed, pinned = self._lookup_and_pin(ns_id, mode_id, wire.packed_addresses(runs))
         return bytes(listed), pinned

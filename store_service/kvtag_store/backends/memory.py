@@ -27,8 +27,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
+from kvtag_store import key_index
 from kvtag_store.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
     BackendStats,
@@ -72,8 +74,12 @@ _PUT_CHUNK = 1024
 
 _NO_GROUPS: dict[int, dict[bytes, _Entry]] = {}
 _NO_KEYS: dict[bytes, _Entry] = {}
-_NO_ENTRIES: dict[BlockAddress, _Entry] = {}
 _HIT_BYTE = bytes([_HIT])
+_MISS_BYTE = bytes([_MISS])
+_NO_MODE = key_index.NOT_FOUND
+_UNKNOWN_MODE = -2  # a mode that stored nothing yet: matches no index entry, not even NOT_FOUND
+# The key index catches up with stores and removals at the next packed Lookup, or after this many.
+_KEY_INDEX_LAG = 16384
 
 # (namespace_id, (group, key)): a block's address across the whole store.
 _StoreKey = tuple[str, BlockAddress]
@@ -146,48 +152,69 @@ class _Pool:
 
 
 class PinnedRuns(Sequence[BlockAddress]):
-    """The hits a packed Lookup pinned, kept as the runs' key tuples (no object per key).
+    """The hits a packed Lookup pinned, kept as the request's packed key bytes (no object per key).
 
     A lease holds it and hands it back to unpin, which drops it whole. Eviction asks `holds`, which
-    builds a key set per run only when first asked (most leases end before any eviction looks).
+    cuts the keys and builds a key set per group only when first asked (most leases end before any
+    eviction looks).
     """
 
-    __slots__ = ("_runs", "_sets")
+    __slots__ = ("_count", "_runs", "_sets")
 
-    def __init__(self, runs: list[tuple[int, Sequence[bytes]]]) -> None:
+    def __init__(self, runs: list[tuple[int, bytes, int, bytes | None]]) -> None:
+        """Runs of (group, packed keys, key length, status bytes or None when every key is pinned)."""
         self._runs = runs
+        self._count = sum(
+            len(packed) // length if statuses is None else statuses.count(_HIT)
+            for _, packed, length, statuses in runs
+        )
         self._sets: dict[int, frozenset[bytes]] | None = None
+
+    def _keys(self) -> Iterator[tuple[int, bytes]]:
+        for group, packed, length, statuses in self._runs:
+            for i in range(0, len(packed), length):
+                if statuses is None or statuses[i // length] == _HIT:
+                    yield group, packed[i : i + length]
 
     def holds(self, address: BlockAddress) -> bool:
         sets = self._sets
         if sets is None:
             built: dict[int, set[bytes]] = {}
-            for group, keys in self._runs:
-                built.setdefault(group, set()).update(keys)
+            for group, key in self._keys():
+                built.setdefault(group, set()).add(key)
             sets = self._sets = {group: frozenset(keys) for group, keys in built.items()}
         members = sets.get(address[0])
         return members is not None and address[1] in members
 
     def __len__(self) -> int:
-        return sum(len(keys) for _, keys in self._runs)
+        return self._count
 
     def __iter__(self) -> Iterator[BlockAddress]:
-        for group, keys in self._runs:
-            for key in keys:
-                yield group, BlockKey(key)
+        for group, key in self._keys():
+            yield group, BlockKey(key)
 
     def __getitem__(self, index: int) -> BlockAddress:  # type: ignore[override]
-        for group, keys in self._runs:
-            if index < len(keys):
-                return group, BlockKey(keys[index])
-            index -= len(keys)
+        for i, address in enumerate(self):
+            if i == index:
+                return address
         raise IndexError(index)
 
 
 class _Namespace:
     """The blocks of one namespace, indexed by address and, for reads, by mode, group and key bytes."""
 
-    __slots__ = ("arena", "entries", "index", "leases", "pins", "pool", "tenant", "used_bytes")
+    __slots__ = (
+        "arena",
+        "changed",
+        "entries",
+        "index",
+        "key_index",
+        "leases",
+        "pins",
+        "pool",
+        "tenant",
+        "used_bytes",
+    )
 
     def __init__(self, pool: _Pool, tenant: str | None, arena: Arena) -> None:
         self.pool = pool
@@ -197,6 +224,10 @@ class _Namespace:
         # mode_id -> group -> key -> entry: a packed read in mode M is one C-level dict lookup per key
         # on the key bytes, with no (group, key) tuple built.
         self.index: dict[str, dict[int, dict[bytes, _Entry]]] = {}
+        # group -> fingerprints of the stored keys with their mode numbers, for packed Lookups; it
+        # lags `entries` by the addresses in `changed` (MemoryBackend._sync_key_index).
+        self.key_index: dict[int, key_index.KeyIndex] = {}
+        self.changed: list[BlockAddress] = []
         # Reads in progress and per-address leases: pin count per address (Counter.update runs in C).
         self.pins: Counter[BlockAddress] = Counter()
         # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
@@ -269,6 +300,7 @@ class MemoryBackend:
         self._pools = [self._shared, *self._tenant_pools.values()]
         self._evictions: Counter[str | None] = Counter()  # by tenant (None: not yet known)
         self._corrupted = 0
+        self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
 
     @property
     def max_value_bytes(self) -> int:
@@ -558,6 +590,7 @@ class MemoryBackend:
         if keys is None:
             keys = groups[address[0]] = {}
         keys[address[1]] = entry
+        self._changed(ns, address)
         ns.pool.lru[(namespace_id, address)] = None
         ns.used_bytes += slot.length
         ns.pool.used += slot.length
@@ -629,6 +662,7 @@ class MemoryBackend:
     def _remove(self, namespace_id: str, ns: _Namespace, address: BlockAddress, entry: _Entry) -> None:
         del ns.entries[address]
         del ns.index[entry.mode_id][address[0]][address[1]]
+        self._changed(ns, address)
         del ns.pool.lru[(namespace_id, address)]
         ns.arena.free(entry.slot)
         size = entry.slot.length
@@ -724,37 +758,73 @@ class MemoryBackend:
         return statuses, pinned
 
     def lookup_packed_and_pin(
-        self, namespace_id: str, mode_id: str, runs: Sequence[tuple[int, Sequence[bytes]]]
+        self, namespace_id: str, mode_id: str, runs: Sequence[tuple[int, bytes, int]]
     ) -> tuple[bytes, PinnedRuns | None]:
-        """lookup_and_pin over runs of (group, keys): a status byte per key, and the hits pinned as one
-        PinnedRuns (unpin it whole). Keys are looked up by their bytes, so no tuple is built per key."""
+        """lookup_and_pin over runs of (group, packed keys, key length): a status byte per key, and the
+        hits pinned as one PinnedRuns (unpin it whole). The keys are probed as fingerprints in the
+        namespace's key index, in a few vectorised passes, with no object built per key."""
         parts: list[bytes] = []
-        pinned: list[tuple[int, Sequence[bytes]]] = []
+        pinned: list[tuple[int, bytes, int, bytes | None]] = []
         with self._lock:
             ns = self._namespaces.get(namespace_id)
-            groups = ns.index.get(mode_id, _NO_GROUPS) if ns is not None else _NO_GROUPS
-            for group, keys in runs:
-                index = groups.get(group)
-                found = list(map(index.get, keys)) if index is not None else [None] * len(keys)
-                if None not in found:
-                    parts.append(_HIT_BYTE * len(keys))
-                    pinned.append((group, keys))
+            if ns is not None:
+                self._sync_key_index(ns)
+            mine = self._mode_numbers.get(mode_id, _UNKNOWN_MODE)
+            for group, packed, length in runs:
+                index = ns.key_index.get(group) if ns is not None else None
+                if index is None or not len(index):
+                    parts.append(_MISS_BYTE * (len(packed) // length))
                     continue
-                entries = ns.entries if ns is not None else _NO_ENTRIES
-                parts.append(
-                    bytes(
-                        _HIT if e is not None else (_MISMATCH if (group, k) in entries else _MISS)
-                        for e, k in zip(found, keys, strict=True)
-                    )
-                )
-                hits = [k for e, k in zip(found, keys, strict=True) if e is not None]
-                if hits:
-                    pinned.append((group, hits))
+                modes = index.find(key_index.fingerprints(packed, length))
+                hit = modes == mine
+                if hit.all():
+                    parts.append(_HIT_BYTE * len(modes))
+                    pinned.append((group, packed, length, None))
+                    continue
+                statuses = np.where(hit, int(_HIT), np.where(modes == _NO_MODE, int(_MISS), int(_MISMATCH)))
+                part = statuses.astype(np.uint8).tobytes()
+                parts.append(part)
+                if hit.any():
+                    pinned.append((group, packed, length, part))
             lease = None
             if pinned and ns is not None:
                 lease = PinnedRuns(pinned)
                 ns.leases[id(lease)] = lease
         return b"".join(parts), lease
+
+    def _changed(self, ns: _Namespace, address: BlockAddress) -> None:
+        """Note that the address was stored or removed, for the key index. Caller holds the lock."""
+        changed = ns.changed
+        changed.append(address)
+        if len(changed) >= _KEY_INDEX_LAG:
+            self._sync_key_index(ns)
+
+    def _sync_key_index(self, ns: _Namespace) -> None:
+        """Bring the key index up to `entries` for the changed addresses: a changed key's fingerprint
+        is set to its entry's mode number, or removed when it has none. Caller holds the lock."""
+        if not ns.changed:
+            return
+        by_group: dict[int, set[bytes]] = {}
+        for group, key in ns.changed:
+            by_group.setdefault(group, set()).add(key)
+        ns.changed = []
+        entries, numbers = ns.entries, self._mode_numbers
+        for group, keys in by_group.items():
+            listed, fps = key_index.fingerprints_of(keys)
+            found = map(entries.get, zip(repeat(group), listed))  # type: ignore[arg-type]  # BlockKeys
+            modes = np.fromiter(
+                (numbers.setdefault(e.mode_id, len(numbers)) if e else _NO_MODE for e in found),
+                np.int32,
+                len(listed),
+            )
+            index = ns.key_index.get(group)
+            if index is None:
+                index = ns.key_index[group] = key_index.KeyIndex()
+            stored = modes != _NO_MODE
+            # Removals first: of two keys sharing a fingerprint, a stored one keeps it.
+            index.remove(fps[~stored])
+            unique, first = np.unique(fps[stored], return_index=True)
+            index.set(unique, modes[stored][first])
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
