@@ -60,6 +60,9 @@ def fingerprints(packed: bytes, key_length: int) -> Fingerprints:
 def fingerprints_of(keys: Iterable[bytes]) -> tuple[list[bytes], Fingerprints]:
     """Fingerprints of keys of any lengths (same function as `fingerprints`), in the keys' order."""
     listed = list(keys)
+    lengths = set(map(len, listed))
+    if len(lengths) == 1:  # the usual case: one key scheme, one length
+        return listed, fingerprints(b"".join(listed), lengths.pop())
     out = np.empty(len(listed), np.uint64)
     by_length: dict[int, list[int]] = {}
     for i, key in enumerate(listed):

@@ -25,6 +25,7 @@ import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -804,19 +805,21 @@ class MemoryBackend:
         is set to its entry's mode number, or removed when it has none. Caller holds the lock."""
         if not ns.changed:
             return
-        by_group: dict[int, set[bytes]] = {}
-        for group, key in ns.changed:
-            by_group.setdefault(group, set()).add(key)
+        changed = list(dict.fromkeys(ns.changed))  # each address once, in C
         ns.changed = []
+        groups = set(map(itemgetter(0), changed))
+        by_group = (
+            {groups.pop(): list(map(itemgetter(1), changed))}
+            if len(groups) == 1
+            else {g: [k for gg, k in changed if gg == g] for g in groups}
+        )
         entries, numbers = ns.entries, self._mode_numbers
         for group, keys in by_group.items():
             listed, fps = key_index.fingerprints_of(keys)
-            found = map(entries.get, zip(repeat(group), listed))  # type: ignore[arg-type]  # BlockKeys
-            modes = np.fromiter(
-                (numbers.setdefault(e.mode_id, len(numbers)) if e else _NO_MODE for e in found),
-                np.int32,
-                len(listed),
-            )
+            found = list(map(entries.get, zip(repeat(group), listed)))  # type: ignore[arg-type]  # BlockKeys
+            for mode_id in {e.mode_id for e in found if e is not None} - numbers.keys():
+                numbers[mode_id] = len(numbers)
+            modes = np.array([numbers[e.mode_id] if e is not None else _NO_MODE for e in found], np.int32)
             index = ns.key_index.get(group)
             if index is None:
                 index = ns.key_index[group] = key_index.KeyIndex()
