@@ -27,6 +27,8 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 _SEED = np.uint64(int.from_bytes(os.urandom(8), "little"))
 _SHIFT = np.uint64(29)
 _MIN_SLOTS = 1024
+_WINDOW = 8
+_STEPS = np.arange(1, _WINDOW + 1, dtype=np.uint64)
 NOT_FOUND = -1
 
 Fingerprints = npt.NDArray[np.uint64]
@@ -132,13 +134,19 @@ class KeyIndex:
         result = np.where(hit, position.astype(np.int64), -1)
         going = np.flatnonzero(~hit & (seen != _EMPTY))
         position = position[going]
+        # The few that collided read the next _WINDOW slots at once, stopping at their fingerprint or
+        # an empty slot: one pass per window instead of one per slot.
         while len(going):
-            position = (position + np.uint64(1)) & mask
-            seen = np.take(table, position)
-            hit = seen == fps[going]
-            result[going[hit]] = position[hit].astype(np.int64)
-            keep = ~hit & (seen != _EMPTY)
-            going, position = going[keep], position[keep]
+            window = (position[:, None] + _STEPS) & mask
+            seen = np.take(table, window)
+            match = seen == fps[going][:, None]
+            stop = match | (seen == _EMPTY)
+            first = stop.argmax(axis=1)
+            rows = np.arange(len(going))
+            found = match[rows, first]
+            result[going[found]] = window[found, first[found]].astype(np.int64)
+            going_on = ~stop[rows, first]
+            going, position = going[going_on], window[going_on, -1]
         return result
 
     def _place(self, fps: Fingerprints, modes: Modes) -> None:
