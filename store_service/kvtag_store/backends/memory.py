@@ -79,8 +79,9 @@ _HIT_BYTE = bytes([_HIT])
 _MISS_BYTE = bytes([_MISS])
 _NO_MODE = key_index.NOT_FOUND
 _UNKNOWN_MODE = -2  # a mode that stored nothing yet: matches no index entry, not even NOT_FOUND
-# The key index catches up with stores and removals at the next packed Lookup, or after this many.
-_KEY_INDEX_LAG = 16384
+# The key index catches up with stores and removals at the next packed Lookup, or after this many:
+# ~3 ms under the lock, the longest a write or a scheduler's Lookup waits for it.
+_KEY_INDEX_LAG = 4096
 
 # (namespace_id, (group, key)): a block's address across the whole store.
 _StoreKey = tuple[str, BlockAddress]
