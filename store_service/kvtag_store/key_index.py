@@ -4,9 +4,10 @@ A 4,096-key Lookup probed a Python dict per key; in a store of 200k keys those p
 misses (~300 ns a key, over a millisecond), paid while vLLM's scheduler waits. Here the probe is a
 few NumPy passes over the packed key bytes, with no object per key.
 
-A fingerprint stands for its key, so two keys can share one: such a key reads as present in the
-other's mode. The odds are about n / 2^63 per probed key for n stored keys, and the cost is one
-Lookup hit that its Get then misses, which the connector treats as a load error (recompute). Reads
+A fingerprint stands for its key, so two keys can share one: then a key can read as present (in
+the other's mode), or as absent once the other is removed. The odds are about n / 2^63 per probed
+key for n stored keys, and the cost is one Lookup answer wrong about presence: a hit whose Get then
+misses, which the connector treats as a load error (recompute), or a miss that is recomputed. Reads
 and writes never use this index: they go by the exact key.
 """
 
