@@ -14,7 +14,6 @@ and writes never use this index: they go by the exact key.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -60,19 +59,18 @@ def fingerprints(packed: bytes, key_length: int) -> Fingerprints:
     return h
 
 
-def fingerprints_of(keys: Iterable[bytes]) -> tuple[list[bytes], Fingerprints]:
+def fingerprints_of(keys: list[bytes]) -> Fingerprints:
     """Fingerprints of keys of any lengths (same function as `fingerprints`), in the keys' order."""
-    listed = list(keys)
-    lengths = set(map(len, listed))
+    lengths = set(map(len, keys))
     if len(lengths) == 1:  # the usual case: one key scheme, one length
-        return listed, fingerprints(b"".join(listed), lengths.pop())
-    out = np.empty(len(listed), np.uint64)
+        return fingerprints(b"".join(keys), lengths.pop())
+    out = np.empty(len(keys), np.uint64)
     by_length: dict[int, list[int]] = {}
-    for i, key in enumerate(listed):
+    for i, key in enumerate(keys):
         by_length.setdefault(len(key), []).append(i)
     for length, indexes in by_length.items():
-        out[indexes] = fingerprints(b"".join(listed[i] for i in indexes), length)
-    return listed, out
+        out[indexes] = fingerprints(b"".join(keys[i] for i in indexes), length)
+    return out
 
 
 class KeyIndex:

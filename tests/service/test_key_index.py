@@ -70,8 +70,8 @@ def test_index_grows_and_reclaims_deleted_slots() -> None:
 
 @given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=30, unique=True))
 def test_fingerprints_are_one_function_of_the_key_bytes(keys: list[bytes]) -> None:
-    listed, of_keys = key_index.fingerprints_of(keys)
-    assert listed == keys
+    of_keys = key_index.fingerprints_of(keys)
+    assert len(of_keys) == len(keys)
     for key, fp in zip(keys, of_keys, strict=True):
         assert key_index.fingerprints(key, len(key))[0] == fp
         assert fp >= np.uint64(1 << 63)  # never the empty or deleted marker

@@ -810,14 +810,14 @@ class MemoryBackend:
         ns.changed = []
         groups = set(map(itemgetter(0), changed))
         by_group = (
-            {groups.pop(): list(map(itemgetter(1), changed))}
+            {groups.pop(): changed}
             if len(groups) == 1
-            else {g: [k for gg, k in changed if gg == g] for g in groups}
+            else {g: [a for a in changed if a[0] == g] for g in groups}
         )
         entries, numbers = ns.entries, self._mode_numbers
-        for group, keys in by_group.items():
-            listed, fps = key_index.fingerprints_of(keys)
-            found = list(map(entries.get, zip(repeat(group), listed)))  # type: ignore[arg-type]  # BlockKeys
+        for group, addresses in by_group.items():
+            fps = key_index.fingerprints_of(list(map(itemgetter(1), addresses)))
+            found = list(map(entries.get, addresses))
             for mode_id in {e.mode_id for e in found if e is not None} - numbers.keys():
                 numbers[mode_id] = len(numbers)
             modes = np.array([numbers[e.mode_id] if e is not None else _NO_MODE for e in found], np.int32)
