@@ -78,7 +78,9 @@ class KeyIndex:
 
     At most half the slots are in use (live or deleted), so every probe sequence ends at an empty
     slot, and most end at their first: a probe of n keys is one vectorised pass over all of them and
-    short passes over the few that collided. Deleted slots are reclaimed by a rebuild.
+    short passes over the few that collided. Deleted slots are reclaimed by a rebuild, which also
+    shrinks the table once fewer than 1/16 of its slots are live (4x headroom after either, so
+    neither growth nor shrinking repeats before the live count has changed several-fold).
     """
 
     __slots__ = ("_deleted", "_fps", "_live", "_mask", "_modes")
@@ -123,6 +125,8 @@ class KeyIndex:
         self._fps[slots] = _DELETED
         self._live -= len(slots)
         self._deleted += len(slots)
+        if len(self._fps) > _MIN_SLOTS and 16 * self._live < len(self._fps):
+            self._rebuild(self._live)  # after mass evictions: give the memory back
 
     def _slots_of(self, fps: Fingerprints) -> npt.NDArray[np.int64]:
         """The slot holding each fingerprint, or -1."""

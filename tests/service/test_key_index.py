@@ -66,6 +66,12 @@ def test_index_grows_and_reclaims_deleted_slots() -> None:
     assert len(index) == len(fps)
     assert (index.find(fps[::2]) == 2).all()
     assert index._fps.size <= 8 * len(fps)
+    # Mass removal gives the memory back; what is left still answers.
+    index.remove(fps[100:])
+    assert len(index) == 100
+    assert index._fps.size <= 1024
+    assert (index.find(fps[:100]) != key_index.NOT_FOUND).all()
+    assert (index.find(fps[100:200]) == key_index.NOT_FOUND).all()
 
 
 @given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=30, unique=True))
