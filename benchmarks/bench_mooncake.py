@@ -12,7 +12,11 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 - client:   kvtag_client's StoreClient (what the connector calls: put, get) against the same
             service over Mooncake, on the shared-memory path (values staged in arena slots Mooncake
             reads into and writes from) and on the inline path, and over the memory backend's
-            shared-memory path for comparison.
+            shared-memory path for comparison;
+- lookup:   an ordered 4,096-key StoreClient.lookup_packed (what the connector's scheduler side
+            calls) against the service over Mooncake: of blocks the service stored itself (their
+            tags are in its mode cache), of blocks another replica stored (headers read), and of
+            absent blocks; beside raw Mooncake's batch_is_exist of the same keys.
 
 Overhead ratio = kvtag time / raw time for the same bytes (>1 means kvtag is slower). The results
 record the load average before and after each repeat: other work on the machine moves the times. Every
@@ -204,6 +208,52 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     return out
 
 
+LOOKUP_KEYS = 4096
+LOOKUP_ROWS = ("lookup_seen", "lookup_unseen_first", "lookup_absent", "raw_batch_is_exist")
+
+
+def measure_lookups(rig: Rig, repeats: int) -> dict[str, Any]:
+    """p50 ms of 4,096-key packed Lookups through the client over Mooncake, per LOOKUP_ROWS."""
+    from kvtag.v1 import store_pb2 as pb
+    from kvtag_client.store import PackedKeys
+    from kvtag_store.backends.base import BlockKey, PutOutcome
+    from kvtag_store.backends.mooncake.format import object_key
+
+    client, ns_id = rig.clients["client_shm"]
+    value = os.urandom(4 * KiB)
+    samples: dict[str, list[float]] = {row: [] for row in LOOKUP_ROWS}
+    for _ in range(repeats):
+        tag = os.urandom(4).hex()
+        ours = [f"{tag}-ours-{i:08d}".encode().ljust(32, b".") for i in range(LOOKUP_KEYS)]
+        theirs = [f"{tag}-theirs-{i:06d}".encode().ljust(32, b".") for i in range(LOOKUP_KEYS)]
+        absent = [f"{tag}-absent-{i:06d}".encode().ljust(32, b".") for i in range(LOOKUP_KEYS)]
+        for start in range(0, LOOKUP_KEYS, 512):
+            statuses = client.put([(0, k, value, b"") for k in ours[start : start + 512]])
+            assert statuses == [pb.STORED] * len(statuses), statuses
+            outcomes = rig.backend.put_many(
+                ns_id, client.mode_id, [((0, BlockKey(k)), value) for k in theirs[start : start + 512]]
+            )
+            assert all(r.outcome is PutOutcome.STORED for r in outcomes), outcomes
+        for row, keys in (("lookup_seen", ours), ("lookup_unseen_first", theirs), ("lookup_absent", absent)):
+            started = time.perf_counter()
+            result = client.lookup_packed([PackedKeys(0, b"".join(keys), 32)], lease_ms=1000)
+            samples[row].append(time.perf_counter() - started)
+            assert result.prefix_length == (0 if row == "lookup_absent" else LOOKUP_KEYS), (row, result)
+            client.release(result.leases)
+        mkeys = [object_key(ns_id, 0, k) for k in ours]
+        started = time.perf_counter()
+        rig.raw.batch_is_exist(mkeys)
+        samples["raw_batch_is_exist"].append(time.perf_counter() - started)
+        time.sleep(1.1)  # the leases lapse, so the blocks can go
+        stored = mkeys + [object_key(ns_id, 0, k) for k in theirs]
+        rig.raw.batch_remove(stored, True)
+    return {
+        "keys": LOOKUP_KEYS,
+        "p50_ms": {row: statistics.median(v) * 1000 for row, v in samples.items()},
+        "samples_ms": {row: [x * 1000 for x in v] for row, v in samples.items()},
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_client import keys as client_keys
     from kvtag_client.store import StoreClient
@@ -301,6 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     },
                 },
             }
+        results["lookup"] = measure_lookups(rig, repeats)
     finally:
         for client, _ in clients.values():
             client.close()
@@ -358,6 +409,14 @@ def table(results: dict[str, Any]) -> str:
             ratios = " ".join(f"{ratio[f'{path}_{op}']:6.2f}" for path in CLIENT_PATHS)
             rates = f"{gbps[f'client_shm_{op}']:6.2f} {gbps[f'client_inline_{op}']:6.2f}"
             lines.append(f"{label:>8} {op:>4} {med['raw_' + op]:8.1f} {times}   {' ' * 24}{ratios}   {rates}")
+    if "lookup" in results:
+        p50 = results["lookup"]["p50_ms"]
+        lines.append("")
+        lines.append(
+            f"Lookup of {results['lookup']['keys']} keys through StoreClient, p50 ms: "
+            + ", ".join(f"{row} {p50[row]:.1f}" for row in LOOKUP_ROWS)
+            + f"; seen / raw batch_is_exist {p50['lookup_seen'] / p50['raw_batch_is_exist']:.2f}x"
+        )
     return "\n".join(lines)
 
 

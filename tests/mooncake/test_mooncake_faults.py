@@ -68,19 +68,33 @@ def test_damaged_header_is_a_miss_and_is_dropped(
     mooncake_backend: MooncakeBackend, raw_client: MooncakeClient
 ) -> None:
     ns = "ns-" + uuid.uuid4().hex[:16]
-    mooncake_backend.put(ns, MODE, addr("k"), b"payload")
-    mkey = object_key(ns, *addr("k"))
-    damaged = bytearray(raw_client.get(mkey))
-    damaged[10] ^= 0x01  # inside the mode tag
-    raw_client.batch_remove([mkey], True)
-    assert raw_client.put(mkey, bytes(damaged)) == 0
+    for name in ("seen", "unseen"):
+        assert mooncake_backend.put(ns, MODE, addr(name), b"payload").outcome is PutOutcome.STORED
+    damaged: dict[str, bytes] = {}
+    for name in ("seen", "unseen"):
+        mkey = object_key(ns, *addr(name))
+        value = bytearray(raw_client.get(mkey))
+        value[10] ^= 0x01  # inside the mode tag
+        damaged[name] = bytes(value)
+        raw_client.batch_remove([mkey], True)
+    # "unseen" goes away and comes back damaged while this service sees it absent, so its tag is
+    # forgotten and the Lookup reads the header; "seen" is damaged behind the service's back.
+    assert mooncake_backend.lookup(ns, MODE, [addr("unseen")]) == [KeyStatus.MISS]
+    for name, value in damaged.items():
+        assert raw_client.put(object_key(ns, *addr(name)), value) == 0
     before = mooncake_backend.stats().corrupted_dropped
-    assert mooncake_backend.lookup(ns, MODE, [addr("k")]) == [KeyStatus.MISS]
+    assert mooncake_backend.lookup(ns, MODE, [addr("unseen")]) == [KeyStatus.MISS]
     assert mooncake_backend.stats().corrupted_dropped == before + 1
-    assert raw_client.batch_is_exist([mkey]) == [0]
-    # A correct put can take the dropped value's place.
-    assert mooncake_backend.put(ns, MODE, addr("k"), b"payload").outcome is PutOutcome.STORED
-    assert len(damaged) == HEADER_BYTES + len(b"payload")
+    # A tag seen before answers the Lookup (mode_cache); the Get reads the header and drops it.
+    [result] = mooncake_backend.get(ns, MODE, [addr("seen")])
+    assert result.status is KeyStatus.MISS and result.value is None
+    assert mooncake_backend.stats().corrupted_dropped == before + 2
+    assert mooncake_backend.lookup(ns, MODE, [addr("seen"), addr("unseen")]) == [KeyStatus.MISS] * 2
+    for name in damaged:
+        assert raw_client.batch_is_exist([object_key(ns, *addr(name))]) == [0]
+        # A correct put can take the dropped value's place.
+        assert mooncake_backend.put(ns, MODE, addr(name), b"payload").outcome is PutOutcome.STORED
+    assert len(damaged["seen"]) == HEADER_BYTES + len(b"payload")
 
 
 def test_killed_storage_process_gives_misses_never_wrong_bytes(

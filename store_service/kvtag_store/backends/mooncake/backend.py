@@ -41,6 +41,7 @@ from kvtag_store.backends.mooncake.format import (
     payload_checksum,
     verify_payload,
 )
+from kvtag_store.backends.mooncake.mode_cache import ModeCache
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 
 _OK = MooncakeCode.OK
@@ -258,6 +259,7 @@ class MooncakeBackend:
         self._client = client
         self._settings = settings
         self._headers = _HeaderReader(client)
+        self._tags = ModeCache()
         self._leases = _LeaseKeeper(client, settings.lease_ttl_ms)
         self._suspects = _SuspectProcesses()
         self._closers: list[Callable[[], None]] = []
@@ -300,6 +302,7 @@ class MooncakeBackend:
         """Remove values that fail verification so a correct put can take their place."""
         with self._count_lock:
             self._corrupted += len(keys)
+        self._tags.forget(keys)
         self._client.batch_remove(list(keys), True)
 
     # -- writes -------------------------------------------------------------
@@ -337,14 +340,23 @@ class MooncakeBackend:
         return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
 
     def _judge(
-        self, found: bytes, namespace_id: str, mode_id: str, address: BlockAddress, mkey: str, nonce: bytes
+        self,
+        found: bytes,
+        namespace_id: str,
+        mode_id: str,
+        address: BlockAddress,
+        mkey: str,
+        nonce: bytes,
+        seen: dict[str, str],
     ) -> PutResult | None:
-        """The outcome a stored header proves; None if it was corrupt (and is now dropped)."""
+        """The outcome a stored header proves, its tag noted in `seen`; None if it was corrupt (and is
+        now dropped)."""
         try:
             stored = decode_header(found, namespace_id, *address)
         except FormatError:
             self._drop_corrupt([mkey])
             return None
+        seen[mkey] = stored.mode_id
         if stored.nonce == nonce:
             return PutResult(PutOutcome.STORED)
         if stored.mode_id != mode_id:
@@ -358,7 +370,10 @@ class MooncakeBackend:
         for attempt in range(_VERIFY_ATTEMPTS):
             found = self._headers.read([mkey])[0]
             if isinstance(found, bytes):
-                return self._judge(found, namespace_id, mode_id, address, mkey, nonce)
+                seen: dict[str, str] = {}
+                result = self._judge(found, namespace_id, mode_id, address, mkey, nonce, seen)
+                self._tags.learn(list(seen), list(seen.values()))
+                return result
             if found == _RPC_FAIL:
                 self.errors.add(found)
                 raise self._unavailable("confirming a store", found)
@@ -457,11 +472,12 @@ class MooncakeBackend:
         """Each batch-put item's outcome from its stored header (one read-back for all), None where only
         the single path can tell: a corrupt value was dropped, or another writer's put is in flight."""
         out: list[PutResult | None] = []
+        seen: dict[str, str] = {}
         for address, mkey, nonce, rc, found in zip(
             addresses, mkeys, nonces, codes, self._headers.read(mkeys), strict=True
         ):
             if isinstance(found, bytes):
-                out.append(self._judge(found, namespace_id, mode_id, address, mkey, nonce))
+                out.append(self._judge(found, namespace_id, mode_id, address, mkey, nonce, seen))
             elif found in _IN_FLIGHT and rc in _PUT_ACCEPTED:
                 out.append(None)
             elif found == _RPC_FAIL:
@@ -473,6 +489,7 @@ class MooncakeBackend:
                         PutOutcome.REJECTED, self._put_failure(rc if rc not in _PUT_ACCEPTED else found)
                     )
                 )
+        self._tags.learn(list(seen), list(seen.values()))
         return out
 
     def _put_failure(self, code: int) -> str:
@@ -509,13 +526,43 @@ class MooncakeBackend:
     # -- reads --------------------------------------------------------------
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
+        """The master says which blocks exist (one call, which also takes Mooncake's read lease); their
+        tags come from the mode cache, and only blocks this service has not seen have their headers
+        read (~0.1 ms each). See mode_cache for what a stale tag can and cannot do."""
         if not addresses:
             return []
         self._check_master("looking up")
         mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        exists = self._client.batch_is_exist(mkeys)
+        if any(code == _RPC_FAIL or code == -1 for code in exists):
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable("looking blocks up", _RPC_FAIL)
+        statuses = [KeyStatus.MISS] * len(mkeys)
+        present = [i for i, code in enumerate(exists) if code == 1]
+        if len(present) < len(mkeys):
+            self._tags.forget([mkeys[i] for i, code in enumerate(exists) if code != 1])
+        unseen: list[int] = []
+        for i, tag in zip(present, self._tags.modes([mkeys[i] for i in present]), strict=True):
+            if tag is None:
+                unseen.append(i)
+            else:
+                statuses[i] = KeyStatus.HIT if tag == mode_id else KeyStatus.MODE_MISMATCH
+        if unseen:
+            read = self._read_tags(
+                namespace_id, mode_id, [addresses[i] for i in unseen], [mkeys[i] for i in unseen]
+            )
+            for i, status in zip(unseen, read, strict=True):
+                statuses[i] = status
+        return statuses
+
+    def _read_tags(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], mkeys: list[str]
+    ) -> list[KeyStatus]:
+        """Statuses from the stored headers, their tags learnt; damaged ones dropped (MISS)."""
         found = self._headers.read(mkeys)
         statuses: list[KeyStatus] = []
         corrupt: list[str] = []
+        seen: dict[str, str] = {}
         for (group, key), mkey, raw in zip(addresses, mkeys, found, strict=True):
             if isinstance(raw, int):
                 if raw == _RPC_FAIL:
@@ -533,7 +580,9 @@ class MooncakeBackend:
                 corrupt.append(mkey)
                 statuses.append(KeyStatus.MISS)
                 continue
+            seen[mkey] = header.mode_id
             statuses.append(KeyStatus.HIT if header.mode_id == mode_id else KeyStatus.MODE_MISMATCH)
+        self._tags.learn(list(seen), list(seen.values()))
         if corrupt:
             self._drop_corrupt(corrupt)
         return statuses
@@ -546,12 +595,14 @@ class MooncakeBackend:
         values = self._fetch(mkeys)
         results: list[ReadResult] = []
         corrupt: list[str] = []
+        seen: dict[str, str] = {}
         for (group, key), mkey, value in zip(addresses, mkeys, values, strict=True):
             if not value:
                 results.append(ReadResult(KeyStatus.MISS))
                 continue
             try:
                 header = decode_header(value, namespace_id, group, key)
+                seen[mkey] = header.mode_id
                 if header.mode_id != mode_id:
                     results.append(ReadResult(KeyStatus.MODE_MISMATCH))
                     continue
@@ -561,6 +612,7 @@ class MooncakeBackend:
                 results.append(ReadResult(KeyStatus.MISS))
                 continue
             results.append(ReadResult(KeyStatus.HIT, bytes(payload)))
+        self._tags.learn(list(seen), list(seen.values()))
         if corrupt:
             self._drop_corrupt(corrupt)
         return results
@@ -832,11 +884,13 @@ class MooncakeBackend:
             (i, where, staged) for (i, _, where), staged in zip(wanted, granted, strict=True) if staged
         ]
         kept: list[Staged] = []
+        seen: dict[str, str] = {}
         try:
             for i, staged in self._read_staged(mkeys, reading):
                 group, key = addresses[i]
                 try:
                     header = decode_header(staged.header(), namespace_id, group, key)
+                    seen[mkeys[i]] = header.mode_id
                     if header.mode_id != mode_id:
                         statuses[i] = KeyStatus.MODE_MISMATCH
                         continue
@@ -856,6 +910,7 @@ class MooncakeBackend:
         finally:
             held = {staged.generation for staged in kept}
             self._staging.free([staged for _, _, staged in reading if staged.generation not in held])
+        self._tags.learn(list(seen), list(seen.values()))
         if corrupt:
             self._drop_corrupt(corrupt)
         return statuses, references, pinned
