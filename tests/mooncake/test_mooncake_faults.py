@@ -73,9 +73,9 @@ def test_damaged_header_is_a_miss_and_is_dropped(
     damaged: dict[str, bytes] = {}
     for name in ("seen", "unseen"):
         mkey = object_key(ns, *addr(name))
-        value = bytearray(raw_client.get(mkey))
-        value[10] ^= 0x01  # inside the mode tag
-        damaged[name] = bytes(value)
+        stored = bytearray(raw_client.get(mkey))
+        stored[10] ^= 0x01  # inside the mode tag
+        damaged[name] = bytes(stored)
         raw_client.batch_remove([mkey], True)
     # "unseen" goes away and comes back damaged while this service sees it absent, so its tag is
     # forgotten and the Lookup reads the header; "seen" is damaged behind the service's back.

@@ -73,8 +73,6 @@ _NO_RESERVATION = PutResult(
 # Items stored per lock acquisition in put_many: about a millisecond of lock hold.
 _PUT_CHUNK = 1024
 
-_NO_GROUPS: dict[int, dict[bytes, _Entry]] = {}
-_NO_KEYS: dict[bytes, _Entry] = {}
 _HIT_BYTE = bytes([_HIT])
 _MISS_BYTE = bytes([_MISS])
 _NO_MODE = key_index.NOT_FOUND
@@ -203,13 +201,12 @@ class PinnedRuns(Sequence[BlockAddress]):
 
 
 class _Namespace:
-    """The blocks of one namespace, indexed by address and, for reads, by mode, group and key bytes."""
+    """The blocks of one namespace, by address, with the packed Lookup's fingerprint index beside them."""
 
     __slots__ = (
         "arena",
         "changed",
         "entries",
-        "index",
         "key_index",
         "leases",
         "pins",
@@ -223,9 +220,6 @@ class _Namespace:
         self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
         self.arena = arena
         self.entries: dict[BlockAddress, _Entry] = {}
-        # mode_id -> group -> key -> entry: a packed read in mode M is one C-level dict lookup per key
-        # on the key bytes, with no (group, key) tuple built.
-        self.index: dict[str, dict[int, dict[bytes, _Entry]]] = {}
         # group -> fingerprints of the stored keys with their mode numbers, for packed Lookups; it
         # lags `entries` by the addresses in `changed` (MemoryBackend._sync_key_index).
         self.key_index: dict[int, key_index.KeyIndex] = {}
@@ -583,15 +577,7 @@ class MemoryBackend:
                 return PutResult(PutOutcome.CONFLICT, f"key is held by mode {existing.mode_id}")
             ns.pool.lru.move_to_end((namespace_id, address))  # as ReserveSlots' ALREADY_PRESENT does
             return _ALREADY_PRESENT
-        entry = _Entry(mode_id, ns.arena, slot, digest)
-        ns.entries[address] = entry
-        groups = ns.index.get(mode_id)
-        if groups is None:
-            groups = ns.index[mode_id] = {}
-        keys = groups.get(address[0])
-        if keys is None:
-            keys = groups[address[0]] = {}
-        keys[address[1]] = entry
+        ns.entries[address] = _Entry(mode_id, ns.arena, slot, digest)
         self._changed(ns, address)
         ns.pool.lru[(namespace_id, address)] = None
         ns.used_bytes += slot.length
@@ -663,7 +649,6 @@ class MemoryBackend:
 
     def _remove(self, namespace_id: str, ns: _Namespace, address: BlockAddress, entry: _Entry) -> None:
         del ns.entries[address]
-        del ns.index[entry.mode_id][address[0]][address[1]]
         self._changed(ns, address)
         del ns.pool.lru[(namespace_id, address)]
         ns.arena.free(entry.slot)
@@ -681,16 +666,15 @@ class MemoryBackend:
         ns = self._namespaces.get(namespace_id)
         if ns is None:
             return [_MISS] * len(addresses), [None] * len(addresses)
-        groups = ns.index.get(mode_id, _NO_GROUPS)
-        found = [groups.get(g, _NO_KEYS).get(k) for g, k in addresses]
+        stored = list(map(ns.entries.get, addresses))
+        found = [e if e is not None and e.mode_id == mode_id else None for e in stored]
         all_hit = None not in found
         if all_hit:
             statuses = [_HIT] * len(found)
         else:
-            entries = ns.entries
             statuses = [
-                _HIT if e is not None else (_MISMATCH if a in entries else _MISS)
-                for e, a in zip(found, addresses, strict=True)
+                _HIT if e is not None else (_MISS if s is None else _MISMATCH)
+                for e, s in zip(found, stored, strict=True)
             ]
         if touch:
             hits = (
