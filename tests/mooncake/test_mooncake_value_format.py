@@ -11,6 +11,7 @@ from kvtag_store.backends.mooncake.format import (
     encode_header,
     encode_record,
     object_key,
+    object_keys,
     verify_payload,
 )
 
@@ -61,6 +62,12 @@ def test_value_read_at_another_address_is_refused(ns: str, group: int, key: byte
 
 def test_object_key_names_namespace_and_group_but_not_mode() -> None:
     assert object_key(NS, 3, KEY) == f"kvtag/v1/{NS}/g3/016b6579"
+
+
+def test_object_keys_of_a_batch_are_each_object_key() -> None:
+    addresses = [(0, b"a"), (3, KEY), (0, b""), (12, b"\xff" * 32), (3, b"a")]
+    assert object_keys(NS, addresses) == [object_key(NS, g, k) for g, k in addresses]
+    assert object_keys(NS, []) == []
 
 
 def test_census_record_checksum_guards_its_body() -> None:

@@ -38,6 +38,7 @@ from kvtag_store.backends.mooncake.format import (
     decode_header,
     encode_header,
     object_key,
+    object_keys,
     payload_checksum,
     verify_payload,
 )
@@ -532,9 +533,9 @@ class MooncakeBackend:
         if not addresses:
             return []
         self._check_master("looking up")
-        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        mkeys = object_keys(namespace_id, addresses)
         exists = self._client.batch_is_exist(mkeys)
-        if any(code == _RPC_FAIL or code == -1 for code in exists):
+        if _RPC_FAIL in exists or -1 in exists:
             self.errors.add(_RPC_FAIL)
             raise self._unavailable("looking blocks up", _RPC_FAIL)
         statuses = [KeyStatus.MISS] * len(mkeys)
@@ -591,7 +592,7 @@ class MooncakeBackend:
         if not addresses:
             return []
         self._check_master("reading")
-        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        mkeys = object_keys(namespace_id, addresses)
         values = self._fetch(mkeys)
         results: list[ReadResult] = []
         corrupt: list[str] = []
@@ -856,7 +857,7 @@ class MooncakeBackend:
         if not addresses or self._staging is None:
             return statuses, references, pinned
         self._check_master("reading")
-        mkeys = [object_key(namespace_id, group, key) for group, key in addresses]
+        mkeys = object_keys(namespace_id, addresses)
         exists = self._client.batch_is_exist(mkeys)
         if any(code == _RPC_FAIL or code == -1 for code in exists):
             self.errors.add(_RPC_FAIL)
@@ -953,7 +954,7 @@ class MooncakeBackend:
 
     def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         # The lookup that found these blocks already took Mooncake leases; the keeper renews them.
-        self._leases.pin([object_key(namespace_id, group, key) for group, key in addresses])
+        self._leases.pin(object_keys(namespace_id, addresses))
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         if addresses and isinstance(addresses[0], StagedAddress):
@@ -961,7 +962,7 @@ class MooncakeBackend:
             if self._staging is not None:
                 self._staging.free([a.staged for a in addresses if isinstance(a, StagedAddress)])
             return
-        self._leases.unpin([object_key(namespace_id, group, key) for group, key in addresses])
+        self._leases.unpin(object_keys(namespace_id, addresses))
 
     # -- reporting ----------------------------------------------------------
 

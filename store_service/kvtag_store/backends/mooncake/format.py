@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAGIC = b"KVTG"
@@ -43,6 +44,18 @@ def object_key(namespace_id: str, group: int, key: bytes) -> str:
     """The Mooncake key of a block. The mode is deliberately not part of it: one address holds one
     tag, so a second mode's put of the same key collides and is detected as a conflict."""
     return f"{KEY_PREFIX}/{namespace_id}/g{group}/{key.hex()}"
+
+
+def object_keys(namespace_id: str, addresses: Iterable[tuple[int, bytes]]) -> list[str]:
+    """object_key of each (group, key), the prefix built once per group: a Lookup keys thousands."""
+    prefixes: dict[int, str] = {}
+    out: list[str] = []
+    for group, key in addresses:
+        prefix = prefixes.get(group)
+        if prefix is None:
+            prefix = prefixes[group] = f"{KEY_PREFIX}/{namespace_id}/g{group}/"
+        out.append(prefix + key.hex())
+    return out
 
 
 def census_key(namespace_id: str, record: str) -> str:
