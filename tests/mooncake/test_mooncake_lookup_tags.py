@@ -4,28 +4,17 @@ never serves bytes in the wrong mode."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
-from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
+from kvtag_store.backends.base import KeyStatus, PutOutcome
 from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.mode_cache import ModeCache
 
 from .mooncake_cluster import MooncakeCluster, settings_for
-
-MODE = "m-0123456789abcdef"
-OTHER_MODE = "m-fedcba9876543210"
-
-
-def addr(name: str) -> BlockAddress:
-    return (0, BlockKey(name.encode()))
-
-
-def fresh_ns() -> str:
-    return "ns-" + uuid.uuid4().hex[:16]
+from .test_mooncake_reads import MODE, OTHER_MODE, addr, fresh_ns
 
 
 @pytest.fixture
