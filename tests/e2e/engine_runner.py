@@ -94,6 +94,23 @@ def _worker_connector() -> Any:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
+def _await_store(scheduler_connector: Any, timeout_s: float) -> float | None:
+    """Seconds until every in-process connector's session is open (or refused), None on timeout.
+
+    A connector whose first OpenSession fails (a TLS handshake cut short on a loaded machine) runs
+    degraded and re-dials every reconnect interval, as it should; a test that asserts what a connected
+    engine does waits for that here instead of racing it."""
+    from kvtag_client.session import StoreState
+
+    clients = [c.client() for c in (scheduler_connector, _worker_connector()) if c is not None]
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        if all(client.state in (StoreState.CONNECTED, StoreState.REFUSED) for client in clients):
+            return time.perf_counter() - started
+        time.sleep(0.05)
+    return None
+
+
 class _SchedulerTimer:
     """Wall time spent in the scheduler-side connector hooks, measured from outside."""
 
@@ -236,6 +253,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         _inject_state_fault(llm, job["mamba_state_fault"])
     scheduler_connector = getattr(core.scheduler, "connector", None)
     timer = _SchedulerTimer(scheduler_connector) if scheduler_connector is not None else None
+    store_ready_s = None
+    if job.get("await_store_s"):
+        store_ready_s = _await_store(scheduler_connector, float(job["await_store_s"]))
 
     baseline = dict.fromkeys(_COUNTERS, 0)
     if job.get("warmup"):
@@ -246,6 +266,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         baseline = _counters(llm)
     results: dict[str, Any] = {
         "startup_s": startup_s,
+        "store_ready_s": store_ready_s,
         "block_size": int(core.scheduler.block_size),
         "steps": [],
     }

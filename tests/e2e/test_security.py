@@ -32,9 +32,12 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _job(models: dict[str, Path], endpoint: str, engine_id: str, **security: str) -> dict[str, Any]:
+def _job(
+    models: dict[str, Path], endpoint: str, engine_id: str, await_store_s: float = 0.0, **security: str
+) -> dict[str, Any]:
     return {
         "model": str(models["llama"]),
+        "await_store_s": await_store_s,
         "block_size": BLOCK,
         "kv_transfer_config": kv_transfer_config(
             endpoint, engine_id=engine_id, tenant="acme", rpc_timeout_ms=2000, **security
@@ -69,13 +72,18 @@ def test_connector_with_tls_and_a_token_gets_hits_and_with_a_wrong_token_serves_
         "wrong-token",
     ).start()
     try:
-        producer = run_engine(_job(models, store.endpoint, "producer", **secured), work_dir, "tls-producer")
+        producer = run_engine(
+            _job(models, store.endpoint, "producer", await_store_s=30.0, **secured), work_dir, "tls-producer"
+        )
         refused = refused_run.result()
     finally:
         refused_run.kill()
-    consumer = run_engine(_job(models, store.endpoint, "consumer", **secured), work_dir, "tls-consumer")
+    consumer = run_engine(
+        _job(models, store.endpoint, "consumer", await_store_s=30.0, **secured), work_dir, "tls-consumer"
+    )
 
     made, served, warm = (result["steps"][0]["requests"] for result in (producer, refused, consumer))
+    assert producer["store_ready_s"] is not None and consumer["store_ready_s"] is not None
     # Same host: the granted engines' workers moved their blocks through their tenant's arena.
     assert producer["worker_data_path"] == consumer["worker_data_path"] == "shared_memory"
     for index, request in enumerate(warm):
