@@ -299,6 +299,14 @@ class MooncakeBackend:
             "retry with backoff, kvtag resumes when the master is back"
         )
 
+    def _exists(self, mkeys: list[str], what: str) -> list[int]:
+        """batch_is_exist's code per key (1 present); UNAVAILABLE when the master did not answer."""
+        exists = self._client.batch_is_exist(mkeys)
+        if _RPC_FAIL in exists or -1 in exists:
+            self.errors.add(_RPC_FAIL)
+            raise self._unavailable(what, _RPC_FAIL)
+        return exists
+
     def _drop_corrupt(self, keys: Sequence[str]) -> None:
         """Remove values that fail verification so a correct put can take their place."""
         with self._count_lock:
@@ -534,10 +542,7 @@ class MooncakeBackend:
             return []
         self._check_master("looking up")
         mkeys = object_keys(namespace_id, addresses)
-        exists = self._client.batch_is_exist(mkeys)
-        if _RPC_FAIL in exists or -1 in exists:
-            self.errors.add(_RPC_FAIL)
-            raise self._unavailable("looking blocks up", _RPC_FAIL)
+        exists = self._exists(mkeys, "looking blocks up")
         statuses = [KeyStatus.MISS] * len(mkeys)
         present = [i for i, code in enumerate(exists) if code == 1]
         if len(present) < len(mkeys):
@@ -636,10 +641,7 @@ class MooncakeBackend:
         concurrent calls) is retried once; whatever still fails marks its
         storage process suspect.
         """
-        exists = self._client.batch_is_exist(mkeys)
-        if any(code == _RPC_FAIL or code == -1 for code in exists):
-            self.errors.add(_RPC_FAIL)
-            raise self._unavailable("reading blocks", _RPC_FAIL)
+        exists = self._exists(mkeys, "reading blocks")
         values = [b""] * len(mkeys)
         present = [i for i, code in enumerate(exists) if code == 1]
         if not present:
@@ -707,10 +709,7 @@ class MooncakeBackend:
         self._check_master("storing")
         out: list[SlotReference | PutResult | None] = [None] * len(items)
         mkeys = [object_key(namespace_id, *address) for address, _ in items]
-        exists = self._client.batch_is_exist(mkeys)
-        if any(code == _RPC_FAIL or code == -1 for code in exists):
-            self.errors.add(_RPC_FAIL)
-            raise self._unavailable("checking blocks before a put", _RPC_FAIL)
+        exists = self._exists(mkeys, "checking blocks before a put")
         stored = [i for i, code in enumerate(exists) if code == 1]
         for i, found in zip(stored, self._headers.read([mkeys[i] for i in stored]), strict=True):
             if not isinstance(found, bytes):
@@ -858,10 +857,7 @@ class MooncakeBackend:
             return statuses, references, pinned
         self._check_master("reading")
         mkeys = object_keys(namespace_id, addresses)
-        exists = self._client.batch_is_exist(mkeys)
-        if any(code == _RPC_FAIL or code == -1 for code in exists):
-            self.errors.add(_RPC_FAIL)
-            raise self._unavailable("reading blocks", _RPC_FAIL)
+        exists = self._exists(mkeys, "reading blocks")
         present = [i for i, code in enumerate(exists) if code == 1]
         if not present:
             return statuses, references, pinned
