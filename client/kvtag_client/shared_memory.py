@@ -119,15 +119,15 @@ class ArenaMapping:
         return held == generation
 
 
-# Slots at least this large are copied into with the GIL released (copy_into) and digested on the
-# client's digest thread meanwhile (SharedPut.digest_soon): below it, handing a digest over costs more
-# than it takes (~3 us at 64 KiB).
+# Slots at least this large are copied into with the GIL released (copy_into), and a put of such slots
+# is written on two threads (SharedMemoryTransfer.write_slots): below it, handing work over costs more
+# than it saves (a 64 KiB digest takes ~3 us).
 LARGE_SLOT_BYTES = 256 << 10
 
 
 def copy_into(slot: memoryview, value: bytes) -> None:
     """slot[:] = value, but a large `bytes` value is copied by ctypes.memmove, which releases the GIL:
-    the previous slot's digest (SharedPut.digest_soon) then runs on another core meanwhile."""
+    the other half of a put (SharedMemoryTransfer.write_slots) then runs on another core meanwhile."""
     if type(value) is bytes and len(value) == slot.nbytes and len(value) >= LARGE_SLOT_BYTES:
         holder = ctypes.c_char.from_buffer(slot)
         try:

@@ -8,7 +8,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 from kvtag.v1 import store_pb2 as pb
@@ -25,9 +26,8 @@ class SharedPut:
     """Slots reserved for a shared-memory put (StoreClient.reserve): write each granted item's value
     into `slots[i]`, then StoreClient.commit. `statuses[i]` is already final for items without a slot
     (ALREADY_PRESENT, CONFLICT, REJECTED). `digests[i]` is the XXH3-64 of a written slot, taken at
-    the first digest(i): best right after writing it, while the bytes are in cache (put_from does,
-    with digest_soon: a large slot's digest then runs on the client's digest thread while the next
-    slot is written); commit takes the missing ones itself."""
+    the first digest(i): best right after writing it, while the bytes are in cache (write_slots
+    does); commit takes the missing ones itself."""
 
     session_id: str
     items: list[SizedItemFields]
@@ -36,37 +36,22 @@ class SharedPut:
     generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
     spare: bool = False  # the slots are spare ones: the commit binds them to their keys
-    # Runs a digest on the client's digest thread (None: always here).
-    submit: Callable[[memoryview], Future[int]] | None = None
-    _pending: dict[int, Future[int]] = field(default_factory=dict)
 
     def digest(self, index: int) -> int:
         digest = self.digests[index]
         if digest is None:
-            pending = self._pending.pop(index, None)
             slot = self.slots[index]
-            if pending is not None:
-                digest = pending.result()
-            else:
-                digest = value_digest(slot) if slot is not None else 0
+            digest = value_digest(slot) if slot is not None else 0
             self.digests[index] = digest
         return digest
-
-    def digest_soon(self, index: int) -> None:
-        """Take slot `index`'s digest now, or start it on the digest thread when the slot is large:
-        the hash and the next slot's copy (a memmove, a torch copy) both release the GIL, so they
-        run on two cores."""
-        slot = self.slots[index]
-        if slot is not None and self.submit is not None and slot.nbytes >= LARGE_SLOT_BYTES:
-            if index not in self._pending and self.digests[index] is None:
-                self._pending[index] = self.submit(slot)
-            return
-        self.digest(index)
 
     @property
     def nbytes(self) -> int:
         return sum(slot.nbytes for slot in self.slots if slot is not None)
 
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 # How long a read lease waits for the next GetReferences to carry its release before the
 # releaser thread sends it alone: a get in a steady stream then costs one RPC, and a pin
@@ -185,9 +170,7 @@ class SharedMemoryTransfer(Calls):
         spare: bool,
     ) -> SharedPut:
         digests: list[int | None] = [None] * len(items)
-        return SharedPut(
-            session_id, list(items), statuses, slots, generations, digests, spare, self._submit_digest
-        )
+        return SharedPut(session_id, list(items), statuses, slots, generations, digests, spare)
 
     def _spare_request(self, reservation: SharedPut, pending: list[int]) -> tuple[list[int], list[int]]:
         """What the last commit of a put asks: spare lengths that, with those held, make one put like
@@ -237,6 +220,31 @@ class SharedMemoryTransfer(Calls):
                 self._spares_of = (session_id, granted.segment)
             for length, offset, generation in kept:
                 self._spares.setdefault(length, []).append((offset, generation, sent_at))
+
+    def write_slots(self, reservation: SharedPut, fill: Callable[[int, memoryview], None]) -> None:
+        """fill(index, slot) for each granted slot of a reservation, each digested right after, from
+        cache. When every slot is large, the client's digest thread fills and digests the second
+        half while this thread does the first: two cores each copying and then hashing measured
+        16 x 1 MiB in ~1.55 ms here, against ~2.05 ms for one copying while the other hashed each
+        finished slot. `fill` must then be safe to call from two threads for distinct slots (a
+        memmove or a torch copy: both release the GIL, so the halves do run at once)."""
+        slots = reservation.slots
+        written = [(index, slot) for index, slot in enumerate(slots) if slot is not None]
+
+        def write(part: list[tuple[int, memoryview]]) -> None:
+            for index, slot in part:
+                fill(index, slot)
+                reservation.digest(index)
+
+        if len(written) > 1 and all(slot.nbytes >= LARGE_SLOT_BYTES for _, slot in written):
+            half = len(written) // 2
+            beside = self._run_beside(write, written[half:])
+            try:
+                write(written[:half])
+            finally:
+                beside.result()
+        else:
+            write(written)
 
     def commit(self, reservation: SharedPut) -> list[int] | None:
         """Make the written slots of a reservation visible; a PutStatus per item, or None when the
@@ -337,25 +345,18 @@ class SharedMemoryTransfer(Calls):
                 try:
                     packed = response.packed
                     hits = [n for n, status in zip(chunk, packed.statuses, strict=False) if status == pb.HIT]
-                    segment, digests = packed.segment, list(packed.xxh3_64)
+                    segment = packed.segment
+                    # (hit, block, offset, slot, generation) of each reference inside the arena
+                    found: list[tuple[int, int, int, memoryview, int]] = []
                     for h, (n, offset, length, generation) in enumerate(
                         zip(hits, packed.offsets, packed.lengths, packed.generations, strict=False)
                     ):
                         try:
-                            source = arena.slot(segment, offset, length)
+                            found.append((h, n, offset, arena.slot(segment, offset, length), generation))
                         except ValueError:
                             continue
-                        if not (
-                            arena.current(offset, generation)
-                            and sink(n, source)
-                            and arena.current(offset, generation)
-                        ):
-                            continue
-                        # Verified after the copy, from the cache it just warmed: the one read of the value.
-                        if digests and (h >= len(digests) or value_digest(source) != digests[h]):
-                            corrupted.append(n)
-                            continue
-                        served[n] = True
+
+                    corrupted = self._copy_out(arena, found, list(packed.xxh3_64), sink, served)
                 finally:
                     if response.lease.lease_id:
                         self._release_soon(response.lease.lease_id)
@@ -369,6 +370,43 @@ class SharedMemoryTransfer(Calls):
         with self._lock:
             self.counters.get_failed += served.count(False)
         return served
+
+    def _copy_out(
+        self,
+        arena: ArenaMapping,
+        found: list[tuple[int, int, int, memoryview, int]],
+        digests: list[int],
+        sink: Callable[[int, memoryview], bool],
+        served: list[bool],
+    ) -> list[int]:
+        """sink() each found reference's slot while it holds its generation, and check the copy
+        against the committed digest, from the cache the copy just warmed (the one read of the
+        value): `served[block]` for each copy that stands; returns the blocks whose copy failed its
+        digest. Large slots go half on the digest thread, as in write_slots."""
+
+        def serve(part: list[tuple[int, int, int, memoryview, int]]) -> list[int]:
+            corrupted: list[int] = []
+            for h, n, offset, source, generation in part:
+                if not (
+                    arena.current(offset, generation)
+                    and sink(n, source)
+                    and arena.current(offset, generation)
+                ):
+                    continue
+                if digests and (h >= len(digests) or value_digest(source) != digests[h]):
+                    corrupted.append(n)
+                    continue
+                served[n] = True
+            return corrupted
+
+        if len(found) > 1 and all(f[3].nbytes >= LARGE_SLOT_BYTES for f in found):
+            beside = self._run_beside(serve, found[len(found) // 2 :])
+            try:
+                corrupted = serve(found[: len(found) // 2])
+            finally:
+                corrupted += beside.result()
+            return corrupted
+        return serve(found)
 
     def _report_corrupted(self, deadline: _Deadline, blocks: list[tuple[int, bytes]]) -> None:
         """Ask again, unverified, for blocks whose copy failed its digest: the service then checks them
@@ -386,19 +424,23 @@ class SharedMemoryTransfer(Calls):
         if response.lease.lease_id:
             self._release_soon(response.lease.lease_id)
 
-    def _submit_digest(self, slot: memoryview) -> Future[int]:
-        """value_digest(slot) on the client's digest thread (started at the first large put)."""
+    def _run_beside(self, work: Callable[[_A], _R], argument: _A) -> Future[_R]:
+        """work(argument) on the client's digest thread (started at the first large put), or here
+        once close() has shut it down."""
         with self._lock:
             if self._digester is None and not self._closed.is_set():
                 self._digester = ThreadPoolExecutor(1, thread_name_prefix="kvtag-digest")
             digester = self._digester
         try:
             if digester is not None:
-                return digester.submit(value_digest, slot)
+                return digester.submit(work, argument)
         except RuntimeError:  # shut down by close(): take it here
             pass
-        done: Future[int] = Future()
-        done.set_result(value_digest(slot))
+        done: Future[_R] = Future()
+        try:
+            done.set_result(work(argument))
+        except Exception as error:  # handed to the caller, as the thread would
+            done.set_exception(error)
         return done
 
     def _take_pending_release(self) -> str:

@@ -83,7 +83,8 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
     ) -> list[int] | None:
         """Store (group, key, length, base_key) items whose bytes `fill(index, destination)` writes
         (exactly `length` bytes into the memoryview): straight into arena slots on the shared-memory
-        path, into a fresh buffer sent inline otherwise. Results as for put()."""
+        path, into a fresh buffer sent inline otherwise. Results as for put(). `fill` may be called
+        from two threads at once, for distinct indices (see write_slots)."""
         reservation = self.reserve(items)
         if reservation is None:
             if self._shared_arena() is not None or not items:
@@ -94,10 +95,7 @@ class StoreClient(Lookups, InlineTransfer, SharedMemoryTransfer):
                 fill(index, memoryview(buffer))
                 buffers.append(bytes(buffer))
             return self.put([(g, k, buffers[n], b) for n, (g, k, _, b) in enumerate(items)])
-        for index, slot in enumerate(reservation.slots):
-            if slot is not None:
-                fill(index, slot)
-                reservation.digest_soon(index)  # now, while the bytes are in cache
+        self.write_slots(reservation, fill)
         return self.commit(reservation)
 
     def get_into(

@@ -395,16 +395,20 @@ def test_a_value_corrupted_in_the_arena_is_caught_by_the_readers_copy_dropped_an
     assert client.get([(0, b"bad")]) == [bad]
 
 
+@pytest.mark.parametrize("size", [6, LARGE_SLOT_BYTES], ids=["small", "large"])
 def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
-    shared_store: StoreProcess, make_client: ClientFactory
+    shared_store: StoreProcess, make_client: ClientFactory, size: int
 ) -> None:
     """CommitSlots takes the writer's digests instead of reading the values back. A wrong digest makes
-    the value fail its first read (dropped, MISS) on both Get forms; a digest list of the wrong length
-    is INVALID_ARGUMENT and commits nothing."""
-    client = _shm_client(make_client, shared_store.endpoint, tenant="digests")
-    reservation = client.reserve([(0, b"liar", 4, b""), (0, b"honest", 6, b"")])
+    the value fail its first read (dropped, MISS) on both Get forms, also when it is the half of a
+    large get read on the digest thread; a digest list of the wrong length is INVALID_ARGUMENT and
+    commits nothing."""
+    client = _shm_client(make_client, shared_store.endpoint, tenant=f"digests-{size}")
+    keys = [b"honest-0", b"honest-1", b"honest-2", b"liar"]
+    values = [os.urandom(size) for _ in keys]
+    reservation = client.reserve([(0, key, size, b"") for key in keys])
     assert reservation is not None and None not in reservation.generations
-    for slot, value in zip(reservation.slots, (b"liar", b"honest"), strict=True):
+    for slot, value in zip(reservation.slots, values, strict=True):
         assert slot is not None
         slot[:] = value
     generations = [g for g in reservation.generations if g is not None]
@@ -415,37 +419,68 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "one per generation" in str(refused.value.details())
-    digests = [xxhash.xxh3_64_intdigest(b"liar") ^ 1, xxhash.xxh3_64_intdigest(b"honest")]
+    digests = [xxhash.xxh3_64_intdigest(v) for v in values]
+    digests[-1] ^= 1
     committed = client._stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=digests),
         timeout=10,
     )
-    assert [r.status for r in committed.results] == [pb.STORED, pb.STORED]
+    assert [r.status for r in committed.results] == [pb.STORED] * 4
     before = _stats(shared_store.endpoint).corrupted_dropped
-    assert client.get([(0, b"liar"), (0, b"honest")]) == [None, b"honest"]
+    assert client.get([(0, key) for key in keys]) == [*values[:3], None]
     assert _stats(shared_store.endpoint).corrupted_dropped == before + 1
     assert client.lookup([(0, b"liar", b"")]).prefix_length == 0
+    assert client.get([(0, key) for key in keys]) == [*values[:3], None]
 
 
-def test_large_values_are_digested_on_the_digest_thread_and_commit_their_exact_digests(
+def test_large_slots_are_written_and_read_on_two_threads_with_their_exact_digests(
     shared_store: StoreProcess, make_client: ClientFactory
 ) -> None:
-    """Values of LARGE_SLOT_BYTES and more are copied with the GIL released and digested on the
-    client's digest thread beside the next copy; the digests committed are the values' own (the
-    references carry them back), and the thread ends with the client."""
+    """A put or get whose slots are all LARGE_SLOT_BYTES or more splits them between the calling
+    thread and the client's digest thread; the digests committed are the values' own (the references
+    carry them back), the copies are exact, a batch with a small slot stays on the caller's thread,
+    and the digest thread ends with the client."""
     client = _shm_client(make_client, shared_store.endpoint, tenant="digest-thread")
-    values = [os.urandom(LARGE_SLOT_BYTES + n) for n in (0, 4096)] + [b"small"]
-    items = [(0, f"dt-{n}".encode(), v, b"") for n, v in enumerate(values)]
-    assert client.put(items) == [pb.STORED] * 3
-    digesters = [t for t in threading.enumerate() if t.name.startswith("kvtag-digest")]
-    assert len(digesters) == 1
+    values = [os.urandom(LARGE_SLOT_BYTES + 4096 * n) for n in range(4)]
+    sized = [(0, f"dt-{n}".encode(), len(v), b"") for n, v in enumerate(values)]
+    fillers: dict[int, str] = {}
+
+    def fill(index: int, slot: memoryview) -> None:
+        fillers[index] = threading.current_thread().name
+        slot[:] = values[index]
+
+    assert client.put_from(sized, fill) == [pb.STORED] * 4
+    assert fillers[0] == fillers[1] == threading.current_thread().name
+    assert fillers[2] == fillers[3] != fillers[0]
+    assert fillers[2].startswith("kvtag-digest")
     request = pb.GetRequest(session_id=client.session_id, verify_in_client=True)
-    for _, key, _, _ in items:
+    for _, key, _, _ in sized:
         request.blocks.add(key=key)
     reply = client._stub.GetReferences(request, timeout=10)
     assert [r.xxh3_64 for r in reply.results] == [xxhash.xxh3_64_intdigest(v) for v in values]
     client.release((reply.lease.lease_id,))
-    assert client.get([(0, k) for _, k, _, _ in items]) == values
+
+    sinks: dict[int, str] = {}
+    copies: dict[int, bytes] = {}
+
+    def sink(index: int, source: memoryview) -> bool:
+        sinks[index] = threading.current_thread().name
+        copies[index] = bytes(source)
+        return True
+
+    assert client.get_into([(0, key) for _, key, _, _ in sized], (), sink) == [True] * 4
+    assert [copies[n] for n in range(4)] == values
+    assert sinks[0] == sinks[1] != sinks[2] == sinks[3]
+
+    mixed = [(0, b"dt-small", 5, b""), (0, b"dt-large", LARGE_SLOT_BYTES, b"")]
+    fillers.clear()
+    values[:2] = [b"small", os.urandom(LARGE_SLOT_BYTES)]
+    assert client.put_from(mixed, fill) == [pb.STORED] * 2
+    assert set(fillers.values()) == {threading.current_thread().name}
+    assert client.get([(0, b"dt-small"), (0, b"dt-large")]) == values[:2]
+
+    digesters = [t for t in threading.enumerate() if t.name.startswith("kvtag-digest")]
+    assert len(digesters) == 1
     client.close()
     digesters[0].join(timeout=10)
     assert not digesters[0].is_alive()

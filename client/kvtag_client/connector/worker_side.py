@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtag_client.items import PutItem, SizedItem
-from kvtag_client.shared_memory import LARGE_SLOT_BYTES
 
 from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
 from .metadata import BlockTransfer, KvtagConnectorMetadata, SaveJob
@@ -116,11 +115,12 @@ class WorkerSide:
             self.saver.withdraw(nbytes)
             self._stats.add("dropped_saves", len(sized))
             return
-        for index, (transfer, slot) in enumerate(zip(transfers, reservation.slots, strict=True)):
-            if slot is not None:
-                gather_into(self._views[transfer.group], transfer.block_id, slot)
-                if slot.nbytes >= LARGE_SLOT_BYTES:  # beside the next gather; small ones at commit
-                    reservation.digest_soon(index)
+
+        def fill(index: int, slot: memoryview) -> None:
+            transfer = transfers[index]
+            gather_into(self._views[transfer.group], transfer.block_id, slot)
+
+        client.write_slots(reservation, fill)
         self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
 
     def _load(self, req_id: str, transfers: list[BlockTransfer], leases: tuple[str, ...]) -> set[int]:
