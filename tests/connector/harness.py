@@ -136,7 +136,9 @@ class Setup:
         model_config = ModelConfig(
             model=str(self.model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=4096
         )
-        extra = {"endpoint": self.endpoint, **self.extra}
+        # Each step waits for its Lookups, so a test's step sees their answers even on a loaded
+        # machine; test_lookup_wait runs the default budget against a store that does not answer.
+        extra = {"endpoint": self.endpoint, "lookup_wait_ms": 60_000, **self.extra}
         if self.multi_with is not None:
             connectors = [
                 {

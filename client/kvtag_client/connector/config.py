@@ -21,6 +21,9 @@ class KvtagConfig:
     lookahead: str = "auto"
     audit: bool = False
     rpc_timeout_ms: int = 1000
+    # How long the scheduler's step waits for a Lookup before it schedules other requests and asks
+    # again next step (get_num_new_matched_tokens answers None meanwhile).
+    lookup_wait_ms: int = 20
     reconnect_interval_ms: int = 2000
     lease_ms: int = 30000
     tenant: str = ""
@@ -43,6 +46,7 @@ _FIELDS: dict[str, type] = {
     "lookahead": str,
     "audit": bool,
     "rpc_timeout_ms": int,
+    "lookup_wait_ms": int,
     "reconnect_interval_ms": int,
     "lease_ms": int,
     "tenant": str,

@@ -199,7 +199,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     ) -> tuple[int | None, bool]:
         scheduler = self._sched()
         tokens = scheduler.num_new_matched_tokens(request, num_computed_tokens)
-        return tokens, tokens > 0 and scheduler.async_loads
+        return tokens, tokens is not None and tokens > 0 and scheduler.async_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
@@ -17,9 +17,12 @@ from .metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob
 from .namespace import Geometry
 from .planning import SavePlanner
 from .stats import StatsRecorder
-from .tracking import LoadPlan, RequestKeys, RequestState
+from .tracking import Hit, LoadPlan, RequestKeys, RequestState
 
 logger = logging.getLogger("kvtag.connector")
+
+# Lookups in flight at once: one slow Lookup does not queue the next requests' behind it.
+_LOOKUP_THREADS = 4
 
 
 class SchedulerSide:
@@ -49,6 +52,8 @@ class SchedulerSide:
         # req_id -> {engine block id: request block index} of this step's synchronous loads, to map
         # the block ids a worker reports failed back to the blocks to save again.
         self._sync_loads: dict[str, dict[int, int]] = {}
+        # Lookups run here, so a slow store holds up only the requests waiting for it.
+        self._lookup_threads = ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="kvtag-lookup")
 
     @property
     def async_loads(self) -> bool:
@@ -74,7 +79,9 @@ class SchedulerSide:
 
     # ---- hits ----------------------------------------------------------------------------------
 
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """External hit tokens, or None while the request's Lookup is still running: vLLM then
+        schedules other requests and asks again next step."""
         tracked = self.track(request)
         keys = tracked.keys
         if not keys.encodable or tracked.load_failed:
@@ -92,19 +99,53 @@ class SchedulerSide:
         if tracked.plan is not None and tracked.plan.query == query:
             return tracked.plan.num_blocks * block
         self._drop_plan(tracked)
-        hit = self._lookup(keys, start, end)
+        hit = self._answer(tracked, keys, query)
+        if hit is None:
+            return None
         if hit.num_blocks == 0:
             self._release(hit.leases)
             return 0
         tracked.plan = LoadPlan(start, hit.num_blocks, hit.leases, query)
         return hit.num_blocks * block
 
-    @dataclass
-    class _Hit:
-        num_blocks: int
-        leases: tuple[tuple[str, ...], ...]
+    def _answer(self, tracked: RequestState, keys: RequestKeys, query: tuple[int, int]) -> Hit | None:
+        """The Lookup's hit for `query`, run on the lookup threads: waited for up to lookup_wait_ms
+        when it starts, so a store that answers in time costs no step; a slower one (a stalled
+        store, a first Lookup of blocks over Mooncake) leaves the step to the other requests, and
+        later steps take the answer once it is there."""
+        if tracked.pending is not None and tracked.pending[0] != query:
+            self._abandon(tracked)
+        wait = 0.0
+        if tracked.pending is None:
+            future = self._lookup_threads.submit(self._lookup, keys, *query)
+            tracked.pending = (query, future)
+            wait = self.config.lookup_wait_ms / 1000.0
+        future = tracked.pending[1]
+        try:
+            hit = future.result(timeout=wait)
+        except TimeoutError:
+            self.stats.add("lookups_waited")
+            return None
+        except Exception:  # a bug, not the store (StoreClient does not raise): recompute
+            logger.exception("kvtag: a lookup failed; the request computes its prefix")
+            hit = Hit(0, ())
+        tracked.pending = None
+        return hit
 
-    def _lookup(self, keys: RequestKeys, start: int, end: int) -> SchedulerSide._Hit:
+    def _abandon(self, tracked: RequestState) -> None:
+        """Forget a running Lookup; its leases are released once it answers."""
+        if tracked.pending is None:
+            return
+        future = tracked.pending[1]
+        tracked.pending = None
+
+        def release(done: Future[Hit]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._release(done.result().leases)
+
+        future.add_done_callback(release)
+
+    def _lookup(self, keys: RequestKeys, start: int, end: int) -> Hit:
         """The hit every TP rank can load: rank 0's Lookup over the query, each further rank's over the
         KV prefix the ranks before it hold (one Lookup per rank; a single rank is the common case)."""
         kv_group = self.groups.kv_groups[0] if self.groups.kv_groups else 0
@@ -140,7 +181,7 @@ class SchedulerSide:
             usable = next((n for n in range(kv_hits, 0, -1) if stored(n)), 0)
         self.stats.add("hit_blocks", usable)
         self.stats.add("miss_blocks", count - usable)
-        return self._Hit(usable, tuple(leases))
+        return Hit(usable, tuple(leases))
 
     def _lookup_rank(
         self, client: StoreClient, keys: RequestKeys, groups: list[int], start: int, end: int
@@ -290,13 +331,16 @@ class SchedulerSide:
         """Register the finish-time job; True means the blocks stay pinned until finished_sending."""
         tracked = self._requests.pop(request.request_id, None)
         if tracked is not None:
+            self._abandon(tracked)
             self._drop_plan(tracked)
         return self.planner.finished(request, tracked, block_ids, _aborted(request))
 
     def close(self) -> None:
         for tracked in self._requests.values():
+            self._abandon(tracked)
             self._drop_plan(tracked)
         self._requests.clear()
+        self._lookup_threads.shutdown(wait=True)  # each Lookup ends within its deadline
 
 
 def _aborted(request: Any) -> bool:

@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 COUNTERS = (
     "lookups",
+    "lookups_waited",
     "hit_blocks",
     "miss_blocks",
     "hit_tokens",

@@ -7,6 +7,7 @@ block's key exists only once the L tokens after it exist, so keys lag the tokens
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,14 @@ class LoadPlan:
     query: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class Hit:
+    """A Lookup's answer: the blocks every TP rank can load, and each rank's lease ids."""
+
+    num_blocks: int
+    leases: tuple[tuple[str, ...], ...]
+
+
 @dataclass
 class RequestState:
     """What the scheduler side remembers about one request."""
@@ -133,6 +142,8 @@ class RequestState:
     next_save_block: int = 0
     state_stored: set[int] = field(default_factory=set)
     plan: LoadPlan | None = None
+    # A Lookup still running on the lookup threads: (query, its future).
+    pending: tuple[tuple[int, int], Future[Hit]] | None = None
     load_confirmed: bool = False
     # A load for this request failed: it recomputes instead of asking the store again (and looping).
     load_failed: bool = False
