@@ -62,6 +62,7 @@ class ArenaMapping:
             raise UnusableOffer("the offer's nonce lies outside the arena")
         self.nonce = bytes(self.view[offer.nonce_offset : end])
         self._populated: set[int] = set()
+        self._extents = -(-self.size // _EXTENT)
         self._populate = True
         self._closed = threading.Event()
         # Map what the service has touched into this process's page tables in the background, so a
@@ -112,6 +113,8 @@ class ArenaMapping:
                 self._populate = False  # the kernel lacks it: first touches fault page by page
                 return
             self._populated.add(extent)
+        if len(self._populated) >= self._extents:
+            self._populate = False  # all mapped: slot() has nothing left to check
 
     def current(self, offset: int, generation: int) -> bool:
         """True while the slot at `offset` still holds the generation its reference was issued for."""

@@ -74,9 +74,12 @@ class SharedMemoryTransfer(Calls):
         statuses: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
         slots: list[memoryview | None] = [None] * len(items)
         generations: list[int | None] = [None] * len(items)
-        sendable = [n for n, (_, key, _, _) in enumerate(items) if self._valid_key(key)]
-        for n in range(len(items)):
-            if not self._valid_key(items[n][1]):
+        max_key = self.limits.max_key_bytes
+        sendable: list[int] = []
+        for n, item in enumerate(items):
+            if 0 < len(item[1]) <= max_key:  # _valid_key, once per item
+                sendable.append(n)
+            else:
                 statuses[n] = pb.REJECTED
         spared = self._reserve_spare(arena, items, sendable, statuses)
         if spared is not None:
