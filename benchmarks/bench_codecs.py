@@ -21,7 +21,7 @@ from typing import Any
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client.get_decoding import decode_get_response
 from kvtag_client.put_encoding import encode_put_request
-from kvtag_store import wire
+from kvtag_store.api import codec
 from kvtag_store.backends.base import KeyStatus, ReadResult
 from provenance import git_describe
 
@@ -58,7 +58,7 @@ def cases(value_size: int, count: int) -> dict[str, tuple[Callable[[], Any], Cal
     results = [ReadResult(KeyStatus.HIT, v) for v in values]
     get_reply = pb.GetResponse(results=[pb.GetResult(status=pb.HIT, value=v) for v in values])
     get_bytes = get_reply.SerializeToString()
-    assert wire.encode_get_results(results) == get_bytes
+    assert codec.encode_get_results(results) == get_bytes
     assert encode_put_request("s-1", fields) == put_bytes
     label = f"{count}x{value_size // KiB}KiB"
 
@@ -81,12 +81,12 @@ def cases(value_size: int, count: int) -> dict[str, tuple[Callable[[], Any], Cal
             lambda: encode_put_request("s-1", fields),
             put_generated_encode,
         ),
-        f"service Put parsing (wire.parse_put), {label}": (
-            lambda: wire.parse_put(put_bytes),
-            lambda: wire.put_from_message(pb.PutRequest.FromString(put_bytes)),
+        f"service Put parsing (codec.parse_put), {label}": (
+            lambda: codec.parse_put(put_bytes),
+            lambda: codec.put_from_message(pb.PutRequest.FromString(put_bytes)),
         ),
-        f"service Get reply encoding (wire.encode_get_results), {label}": (
-            lambda: wire.encode_get_results(results),
+        f"service Get reply encoding (codec.encode_get_results), {label}": (
+            lambda: codec.encode_get_results(results),
             get_generated_encode,
         ),
         f"client Get reply decoding (get_decoding), {label}": (
@@ -103,15 +103,15 @@ def lookup_cases(count: int) -> dict[str, tuple[Callable[[], Any], Callable[[], 
     packed = pb.LookupRequest(
         session_id="s-1", packed_blocks=[pb.PackedBlocks(key_length=32, keys=b"".join(keys))], lease_ms=200
     ).SerializeToString()
-    assert wire.parse_lookup(data).addresses == wire.lookup_from_message(v1).addresses
+    assert codec.parse_lookup(data).addresses == codec.lookup_from_message(v1).addresses
     return {
-        f"service Lookup parsing, v1 form (wire._parse_lookup_fast), {count} keys": (
-            lambda: wire.parse_lookup(data).addresses,
-            lambda: wire.lookup_from_message(pb.LookupRequest.FromString(data)).addresses,
+        f"service Lookup parsing, v1 form (codec._parse_lookup_fast), {count} keys": (
+            lambda: codec.parse_lookup(data).addresses,
+            lambda: codec.lookup_from_message(pb.LookupRequest.FromString(data)).addresses,
         ),
         f"service Lookup parsing, packed form vs v1 generated, {count} keys": (
-            lambda: wire.packed_addresses(wire.parse_lookup(packed).message.packed_blocks),  # type: ignore[union-attr]
-            lambda: wire.lookup_from_message(pb.LookupRequest.FromString(data)).addresses,
+            lambda: codec.packed_addresses(codec.parse_lookup(packed).message.packed_blocks),  # type: ignore[union-attr]
+            lambda: codec.lookup_from_message(pb.LookupRequest.FromString(data)).addresses,
         ),
     }
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client.get_decoding import decode_get_response
-from kvtag_store import wire
+from kvtag_store.api import codec
 from kvtag_store.backends.base import KeyStatus, ReadResult
 
 
@@ -28,7 +28,7 @@ served = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(results=served)
 def test_server_replies_decode_like_the_generated_parser(results: list[ReadResult]) -> None:
-    data = wire.encode_get_results(results)
+    data = codec.encode_get_results(results)
     assert decode_get_response(data) == _generated(data)
     assert [v for _, v in decode_get_response(data)] == [r.value or b"" for r in results]
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client.put_encoding import PutItemFields, encode_put_request
 from kvtag_proto.varint import encode_varint
-from kvtag_store import wire
+from kvtag_store.api import codec
 
 _items = st.lists(
     st.tuples(
@@ -42,7 +42,7 @@ def test_encoding_equals_generated_serialization(session_id: str, items: list[Pu
 @settings(max_examples=200, deadline=None)
 @given(session_id=st.text(min_size=1, max_size=40), items=_items)
 def test_server_parser_reads_back_every_field(session_id: str, items: list[PutItemFields]) -> None:
-    batch = wire.parse_put(encode_put_request(session_id, items))
+    batch = codec.parse_put(encode_put_request(session_id, items))
     assert batch.session_id == session_id
     assert [(i.group, i.key, i.value, i.base_key, i.payload) for i in batch.items] == [
         (group, key, value, base_key, "value") for group, key, value, base_key in items

@@ -17,7 +17,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client.store import StoreClient
 from kvtag_proto.channels import ChannelSecurity
-from kvtag_store.auth import hash_token, new_token
+from kvtag_store.security.tokens import hash_token, new_token
 
 from tests.certs import Authority
 

@@ -10,7 +10,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client.store import StoreState
 from kvtag_proto.channels import ChannelSecurity
-from kvtag_store.auth import hash_token, new_token
+from kvtag_store.security.tokens import hash_token, new_token
 
 from tests.certs import Authority, Pair
 from tests.net import wait_until

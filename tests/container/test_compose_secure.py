@@ -12,7 +12,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.channels import ChannelSecurity, open_channel
-from kvtag_store.auth import hash_token, new_token
+from kvtag_store.security.tokens import hash_token, new_token
 
 from tests.certs import Authority
 from tests.descriptors import PROBE, mode, namespace

@@ -24,7 +24,7 @@ PROMPTS = [prompt(61, 100), prompt(62, 130)]
 
 
 def new_token() -> str:
-    """A token as `python -m kvtag_store.auth new` mints them (the service is not in the vLLM venv)."""
+    """A token as `python -m kvtag_store.security.tokens new` mints (the service is not in the vLLM venv)."""
     return "kvt_" + secrets.token_urlsafe(32)
 
 

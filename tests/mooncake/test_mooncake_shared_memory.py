@@ -18,8 +18,14 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
-from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, SharedMemoryBackend
-from kvtag_store.backends.memory import SlotReference
+from kvtag_store.backends.base import (
+    BlockAddress,
+    BlockKey,
+    KeyStatus,
+    PutOutcome,
+    SharedMemoryBackend,
+    SlotReference,
+)
 from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, MooncakeSettings, connect
 from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.staging import StagedAddress

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import KvtagError, parse_error
-from kvtag_store.backends.memory import MemoryBackend
-from kvtag_store.server import RunningServer
+from kvtag_store.app.server import RunningServer
+from kvtag_store.backends.memory.backend import MemoryBackend
 
 from tests.descriptors import PROBE, mode, namespace
 

@@ -12,7 +12,7 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.errors import KvtagError, parse_error
-from kvtag_store.auth import hash_token, new_token
+from kvtag_store.security.tokens import hash_token, new_token
 
 from tests.descriptors import PROBE, mode, namespace
 

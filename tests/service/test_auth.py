@@ -14,11 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store.auth import TokenRegistry
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.app.server import RunningServer, start_server
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
-from kvtag_store.security_options import Security
-from kvtag_store.server import RunningServer, start_server
+from kvtag_store.security.options import Security
+from kvtag_store.security.tokens import TokenRegistry
 
 from .security_harness import Caller, Grant, bearer, failure, write_tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvtag_store.backends.base import BlockAddress, BlockBackend
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 
 from tests.contract.backend_contract import BackendContract, Pair
 

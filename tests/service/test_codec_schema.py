@@ -1,6 +1,6 @@
 """The hand-written codecs' view of the schema, pinned against the generated descriptors.
 
-kvtag_store.wire (Lookup and Put parsing, Get encoding) and kvtag_client.put_encoding (Put encoding)
+kvtag_store.api.codec (Lookup and Put parsing, Get encoding) and kvtag_client.put_encoding (Put encoding)
 write field numbers and wire types by hand, and the Put parser skips fields it does not know. A field
 added to one of these messages would pass their hypothesis tests, which only build known fields,
 and be dropped silently. So every message they touch is pinned here in full: a change to the proto

@@ -7,9 +7,9 @@ import os
 
 import pytest
 from kvtag.v1 import store_pb2 as pb
+from kvtag_store.app.cli import build_parser
 from kvtag_store.backends.mooncake import options as mooncake_options
 from kvtag_store.backends.mooncake.backend import MooncakeSettings
-from kvtag_store.cli import build_parser
 from kvtag_store.config import env_name, parse_namespace_policy, parse_size, service_config
 
 

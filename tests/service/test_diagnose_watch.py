@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kvtag_store import report, watch
+from kvtag_store.app import terminal
+from kvtag_store.observe import report
 
 from tests.descriptors import mode
 from tests.net import free_port
@@ -22,8 +23,8 @@ from .helpers import Store
 KVTAG_STORE = str(Path(sys.executable).with_name("kvtag-store"))
 
 
-def _fetcher(store: Store) -> watch.Watcher:
-    return watch.Watcher(lambda: report.diagnose_table(store.diagnose()), color=False)
+def _fetcher(store: Store) -> terminal.Watcher:
+    return terminal.Watcher(lambda: report.diagnose_table(store.diagnose()), color=False)
 
 
 def test_second_frame_marks_only_what_changed(store: Store) -> None:
@@ -43,7 +44,7 @@ def test_second_frame_marks_only_what_changed(store: Store) -> None:
 
 def test_color_marks_use_reverse_video(store: Store) -> None:
     store.open("engine-a")
-    watcher = watch.Watcher(lambda: report.diagnose_table(store.diagnose()), color=True)
+    watcher = terminal.Watcher(lambda: report.diagnose_table(store.diagnose()), color=True)
     watcher.frame()
     store.open("engine-b")
     assert "\x1b[7m> " in watcher.frame()
@@ -53,7 +54,7 @@ def test_color_marks_use_reverse_video(store: Store) -> None:
 def test_cli_watch_redraws_until_interrupted(make_store: ServerFactory) -> None:
     store = make_store()
     store.open("engine-a")
-    clear = watch.CLEAR.encode()
+    clear = terminal.CLEAR.encode()
     opened: list[bool] = []
 
     def late_engine_marked(output: bytes) -> bool:
@@ -64,7 +65,7 @@ def test_cli_watch_redraws_until_interrupted(make_store: ServerFactory) -> None:
 
     code, output, errors = _watch(store.server.address, late_engine_marked)
     assert code == 0, errors
-    frames = output.decode().split(watch.CLEAR)[1:]
+    frames = output.decode().split(terminal.CLEAR)[1:]
     assert len(frames) >= 3
     assert f"kvtag-store diagnose {store.server.address}" in frames[0]
     late = next(f for f in frames if "engine-late" in f)

@@ -11,10 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
+from kvtag_store.app.server import start_server
 from kvtag_store.backends.base import BackendStats, BackendUnavailable
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
-from kvtag_store.server import start_server
 
 from tests.descriptors import mode
 

@@ -8,7 +8,7 @@ import logging
 import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store import service as service_module
+from kvtag_store.api import servicer as service_module
 
 from .conftest import ServerFactory
 from .helpers import Store, error_of

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
-from kvtag_store.modes import decode_mode
+from kvtag_store.policy.mode_diff import decode_mode
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "identifiers.md"
 

@@ -1,4 +1,4 @@
-"""The packed Lookup's fingerprint index (kvtag_store.key_index) answers like the exact entries."""
+"""The packed Lookup's fingerprint index (kvtag_store.backends.key_index) answers like the exact entries."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store import key_index
-from kvtag_store.backends import memory
+from kvtag_store.backends import key_index
+from kvtag_store.backends.memory import backend as memory
 from kvtag_store.backends.base import BlockAddress, BlockKey
-from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.memory.backend import MemoryBackend
 
 _STATUS: dict[int, str] = {pb.HIT: "hit", pb.MISS: "miss", pb.MODE_MISMATCH: "mismatch"}
 

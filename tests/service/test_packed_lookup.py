@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from kvtag_store import wire
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.api import codec
+from kvtag_store.app.server import RunningServer, start_server
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig, ServiceLimits
-from kvtag_store.server import RunningServer, start_server
 
 from tests.descriptors import mode, namespace
 
@@ -169,13 +169,13 @@ def test_packed_base_keys_are_the_v1_base_keys(
     length, runs, _, _ = case
     total = sum(len(run.keys) for run in runs)
     indexes = sorted({p % total for p in picks})
-    packed = wire.parse_lookup(
+    packed = codec.parse_lookup(
         pb.LookupRequest(
             session_id="s", packed_blocks=[run.packed(length) for run in runs]
         ).SerializeToString()
     )
     assert packed.packed
-    assert wire.packed_addresses(packed.message.packed_blocks) == [  # type: ignore[union-attr]
+    assert codec.packed_addresses(packed.message.packed_blocks) == [  # type: ignore[union-attr]
         (run.group, key) for run in runs for key in run.keys
     ]
     expected = [(run.group, base) for run in runs for base in (run.base_keys or [b""] * len(run.keys))]

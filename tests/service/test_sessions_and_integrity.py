@@ -7,7 +7,7 @@ import time
 import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_store.backends.base import BlockKey
-from kvtag_store.sessions import SessionTable
+from kvtag_store.policy.sessions import SessionTable
 
 from .conftest import ServerFactory
 from .faults import corrupt_memory_value

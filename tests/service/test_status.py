@@ -19,9 +19,9 @@ from typing import Any
 import jsonschema
 import pytest
 from kvtag_proto.channels import ChannelSecurity
-from kvtag_store import status_page
-from kvtag_store.auth import TokenRegistry
-from kvtag_store.security_options import Security
+from kvtag_store.observe import status_page
+from kvtag_store.security.options import Security
+from kvtag_store.security.tokens import TokenRegistry
 
 from . import status_scenario as sc
 from .security_harness import Grant, write_tokens

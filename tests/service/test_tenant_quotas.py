@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store import report
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.app.server import RunningServer, start_server
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
-from kvtag_store.server import RunningServer, start_server
+from kvtag_store.observe import report
 from prometheus_client import generate_latest
 
 from tests.store_process import StoreProcess, store_bin

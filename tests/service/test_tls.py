@@ -14,13 +14,13 @@ import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.channels import ChannelSecurity, open_channel
-from kvtag_store import cli
-from kvtag_store.auth import TokenRegistry
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.app import cli
+from kvtag_store.app.server import RunningServer, start_server
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
-from kvtag_store.security_options import Security, check_listen
-from kvtag_store.server import RunningServer, start_server
-from kvtag_store.tls import ServerTls, TlsFileError
+from kvtag_store.security.options import Security, check_listen
+from kvtag_store.security.tls import ServerTls, TlsFileError
+from kvtag_store.security.tokens import TokenRegistry
 
 from tests.certs import Authority, Pair, install
 from tests.net import wait_until

@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtag_store.auth import ANONYMOUS, Role, TokenFileError, TokenRegistry, bearer_token, hash_token
+from kvtag_store.security.tokens import (
+    ANONYMOUS,
+    Role,
+    TokenFileError,
+    TokenRegistry,
+    bearer_token,
+    hash_token,
+)
 
 from .security_harness import write_tokens
 
@@ -70,8 +77,8 @@ def test_malformed_authorization_values_carry_no_token(header: str) -> None:
 
 def test_minted_token_entry_pastes_into_a_tokens_file(tmp_path: Path) -> None:
     minted = subprocess.run(
-        [sys.executable, "-m", "kvtag_store.auth", "new", "--name", "acme-engines", "--role", "engine",
-         "--tenant", "acme"],
+        [sys.executable, "-m", "kvtag_store.security.tokens", "new", "--name", "acme-engines",
+         "--role", "engine", "--tenant", "acme"],
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     token = minted.stderr.strip().rpartition(" ")[2]
@@ -81,7 +88,7 @@ def test_minted_token_entry_pastes_into_a_tokens_file(tmp_path: Path) -> None:
     principal = TokenRegistry.from_file(path).authenticate(f"Bearer {token}")
     assert principal is not None and principal.name == "acme-engines" and principal.tenants == {"acme"}
     hashed = subprocess.run(
-        [sys.executable, "-m", "kvtag_store.auth", "hash"], input=token + "\n",
+        [sys.executable, "-m", "kvtag_store.security.tokens", "hash"], input=token + "\n",
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     assert hashed.stdout.strip() == hash_token(token)

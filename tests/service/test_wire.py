@@ -1,11 +1,11 @@
-"""The hand-written wire paths (kvtag_store.wire) agree exactly with the generated protobuf code."""
+"""The hand-written wire paths (kvtag_store.api.codec) agree exactly with the generated protobuf code."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store import wire
+from kvtag_store.api import codec
 from kvtag_store.backends.base import KeyStatus, ReadResult
 
 u32 = st.integers(0, 2**32 - 1)
@@ -37,7 +37,7 @@ def _expected(message: pb.LookupRequest) -> tuple[str, list[tuple[int, bytes]], 
 @settings(max_examples=150, deadline=None)
 @given(message=uniform_plain_lookups())
 def test_fast_lookup_parse_equals_the_generated_parser(message: pb.LookupRequest) -> None:
-    batch = wire.parse_lookup(message.SerializeToString())
+    batch = codec.parse_lookup(message.SerializeToString())
     assert (batch.session_id, batch.addresses, batch.lease_ms) == _expected(message)
     if message.blocks:
         assert batch.message is None, "the common shape must take the fast path"
@@ -46,15 +46,15 @@ def test_fast_lookup_parse_equals_the_generated_parser(message: pb.LookupRequest
 @settings(max_examples=150, deadline=None)
 @given(message=any_lookups)
 def test_any_lookup_parses_like_the_generated_parser(message: pb.LookupRequest) -> None:
-    batch = wire.parse_lookup(message.SerializeToString())
+    batch = codec.parse_lookup(message.SerializeToString())
     assert (batch.session_id, batch.addresses, batch.lease_ms) == _expected(message)
 
 
 def test_lookup_base_keys_are_read_only_when_sent() -> None:
     with_base = pb.LookupRequest(blocks=[pb.BlockRef(key=b"k1", base_key=b"b1"), pb.BlockRef(key=b"k2")])
-    assert wire.parse_lookup(with_base.SerializeToString()).base_keys([0, 1]) == [(0, b"b1")]
+    assert codec.parse_lookup(with_base.SerializeToString()).base_keys([0, 1]) == [(0, b"b1")]
     without = pb.LookupRequest(blocks=[pb.BlockRef(key=b"k1"), pb.BlockRef(key=b"k2")])
-    assert wire.parse_lookup(without.SerializeToString()).base_keys([0, 1]) is None
+    assert codec.parse_lookup(without.SerializeToString()).base_keys([0, 1]) is None
 
 
 put_items = st.one_of(
@@ -71,7 +71,7 @@ put_items = st.one_of(
     message=st.builds(pb.PutRequest, session_id=st.text(max_size=30), items=st.lists(put_items, max_size=8))
 )
 def test_put_parse_equals_the_generated_parser(message: pb.PutRequest) -> None:
-    assert wire.parse_put(message.SerializeToString()) == wire.put_from_message(message)
+    assert codec.parse_put(message.SerializeToString()) == codec.put_from_message(message)
 
 
 results = st.lists(
@@ -89,11 +89,11 @@ def test_get_response_bytes_equal_the_generated_serializer(read: list[ReadResult
     generated = pb.GetResponse(
         results=[pb.GetResult(status=int(r.status), value=r.value or b"") for r in read]  # type: ignore[arg-type]
     ).SerializeToString()
-    assert wire.encode_get_results(read) == generated
+    assert codec.encode_get_results(read) == generated
 
 
 def test_large_get_value_length_uses_a_multibyte_varint() -> None:
     value = bytes(range(256)) * 4096  # 1 MiB
-    encoded = wire.encode_get_results([ReadResult(KeyStatus.HIT, value)])
+    encoded = codec.encode_get_results([ReadResult(KeyStatus.HIT, value)])
     [result] = pb.GetResponse.FromString(encoded).results
     assert (result.status, result.value) == (pb.HIT, value)

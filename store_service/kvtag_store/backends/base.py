@@ -11,11 +11,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NewType, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, NewType, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from kvtag_store.arena import Arena
-    from kvtag_store.backends.memory import SlotReference
+    from kvtag_store.backends.arena import Arena
 
 # A block's key bytes in its mode. Raw bytes, not a tuple or object: lookups of
 # thousands of keys stay cheap.
@@ -25,6 +24,17 @@ BlockAddress = tuple[int, BlockKey]
 # A value to store: bytes, or a view into the request that carried it (valid for the call only, so a
 # backend copies it before returning). Inline puts hand views, saving a copy of every value.
 Payload = bytes | memoryview
+
+
+class SlotReference(NamedTuple):
+    """A slot handed to a shared-memory writer (reserve) or reader (get_references, pinned)."""
+
+    segment: str
+    offset: int
+    length: int
+    generation: int
+    # The committed XXH3-64, when the reader verifies its own copy (get_references(verify=False)).
+    digest: int | None = None
 
 
 class KeyStatus(enum.IntEnum):

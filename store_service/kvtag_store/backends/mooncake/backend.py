@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvtag_store.arena import Arena
+from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     BackendStats,
     BackendUnavailable,
@@ -29,8 +29,8 @@ from kvtag_store.backends.base import (
     PutOutcome,
     PutResult,
     ReadResult,
+    SlotReference,
 )
-from kvtag_store.backends.memory import SlotReference
 from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
 from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,

@@ -23,14 +23,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtag_store import key_index
+from kvtag_store.backends import key_index
 
 # About 24-96 bytes each (the fingerprint table); past the limit the cache starts over.
 LIMIT = 1 << 20
 
 
 class ModeCache:
-    """Object key -> mode id, by 64-bit fingerprints of the key (kvtag_store.key_index)."""
+    """Object key -> mode id, by 64-bit fingerprints of the key (kvtag_store.backends.key_index)."""
 
     def __init__(self, limit: int = LIMIT) -> None:
         self._limit = limit

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtag_store.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
+from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import BlockAddress, BlockKey
 from kvtag_store.backends.mooncake.errors import describe
 from kvtag_store.backends.mooncake.format import HEADER_BYTES

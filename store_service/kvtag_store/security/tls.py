@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-log = logging.getLogger("kvtag_store.tls")
+log = logging.getLogger("kvtag_store.security.tls")
 
 
 class TlsFileError(ValueError):

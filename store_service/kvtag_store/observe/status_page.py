@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
 
-from kvtag_store.report import human_bytes
+from kvtag_store.observe.report import human_bytes
 
 REFRESH_S = 10
 

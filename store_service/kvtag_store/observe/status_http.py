@@ -23,10 +23,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from kvtag_store import status_page
-from kvtag_store.status import StatusSource, View
+from kvtag_store.observe import status_page
+from kvtag_store.observe.status import StatusSource, View
 
-log = logging.getLogger("kvtag_store.status_http")
+log = logging.getLogger("kvtag_store.observe.status_http")
 
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -51,7 +51,7 @@ def open_gate(_authorization: str | None) -> View:
 
 
 class Viewer(Protocol):
-    """What the gate needs of an authenticated caller (kvtag_store.auth's Principal)."""
+    """What the gate needs of an authenticated caller (kvtag_store.security.tokens's Principal)."""
 
     @property
     def views(self) -> bool: ...

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store.config import policy_name
-from kvtag_store.modes import MODE_FIELDS, field_text
+from kvtag_store.policy.mode_diff import MODE_FIELDS, field_text
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> str:

@@ -18,8 +18,9 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_store import errors, wire
-from kvtag_store.admission import Admission, request_cost
+from kvtag_store import errors
+from kvtag_store.api import codec
+from kvtag_store.api.admission import Admission, request_cost
 
 # A Lookup block in the common shape is at least 5 wire bytes (0x12 len 0x0a len key).
 _MIN_LOOKUP_BLOCK = 5
@@ -33,7 +34,7 @@ class Intake:
     batch_field: str
     # (data, max_items) -> an upper bound of the batch items, without building them.
     count: Callable[[bytes, int], int]
-    # (data, max_items) -> the request; raises wire.TooManyItems before building past max_items.
+    # (data, max_items) -> the request; raises codec.TooManyItems before building past max_items.
     parse: Callable[[bytes, int], Any]
 
 
@@ -49,7 +50,7 @@ def _no_batch(data: bytes, max_items: int) -> int:
 
 
 def _lookup_estimate(data: bytes, max_items: int) -> int:
-    """Lookup is the hot path: its batch is counted exactly by wire.parse_lookup before any key is
+    """Lookup is the hot path: its batch is counted exactly by codec.parse_lookup before any key is
     cut, so the admission charge uses a bound from the size instead of a walk."""
     return min(len(data) // _MIN_LOOKUP_BLOCK, max_items)
 
@@ -63,14 +64,14 @@ HEARTBEAT = _control("HeartbeatRequest")
 CLOSE_SESSION = _control("CloseSessionRequest")
 DIAGNOSE = _control("DiagnoseRequest")
 GET_STATS = _control("GetStatsRequest")
-LOOKUP = Intake("LookupRequest", "blocks", _lookup_estimate, wire.parse_lookup)
-PUT = Intake("PutRequest", "items", wire.count_items, wire.parse_put)
-GET = Intake("GetRequest", "blocks", wire.count_items, _generated(pb.GetRequest))
+LOOKUP = Intake("LookupRequest", "blocks", _lookup_estimate, codec.parse_lookup)
+PUT = Intake("PutRequest", "items", codec.count_items, codec.parse_put)
+GET = Intake("GetRequest", "blocks", codec.count_items, _generated(pb.GetRequest))
 ATTACH_SHARED_MEMORY = _control("AttachSharedMemoryRequest")
 COMMIT_SLOTS = Intake("CommitSlotsRequest", "generations", _no_batch, _generated(pb.CommitSlotsRequest))
-RESERVE_SLOTS = Intake("ReserveSlotsRequest", "items", wire.count_items, _generated(pb.ReserveSlotsRequest))
+RESERVE_SLOTS = Intake("ReserveSlotsRequest", "items", codec.count_items, _generated(pb.ReserveSlotsRequest))
 RELEASE_LEASES = Intake(
-    "ReleaseLeasesRequest", "lease_ids", wire.count_items, _generated(pb.ReleaseLeasesRequest)
+    "ReleaseLeasesRequest", "lease_ids", codec.count_items, _generated(pb.ReleaseLeasesRequest)
 )
 
 
@@ -79,9 +80,9 @@ def admitted(intake: Intake, data: bytes, max_items: int, admission: Admission) 
     """The parsed request, with its cost held against the admission limit for the block."""
     try:
         items = intake.count(data, max_items)
-    except wire.TooManyItems as exc:
+    except codec.TooManyItems as exc:
         raise errors.batch_too_large(intake.batch_field, exc.count, max_items) from None
-    except wire.Malformed as exc:
+    except codec.Malformed as exc:
         raise errors.malformed_request(intake.type_name, str(exc)) from None
     with admission.hold(request_cost(len(data), items)):
         yield parse(intake, data, max_items)
@@ -90,7 +91,7 @@ def admitted(intake: Intake, data: bytes, max_items: int, admission: Admission) 
 def parse(intake: Intake, data: bytes, max_items: int) -> Any:
     try:
         return intake.parse(data, max_items)
-    except wire.TooManyItems as exc:
+    except codec.TooManyItems as exc:
         raise errors.batch_too_large(intake.batch_field, exc.count, max_items) from None
-    except (DecodeError, wire.Malformed) as exc:
+    except (DecodeError, codec.Malformed) as exc:
         raise errors.malformed_request(intake.type_name, str(exc) or "not a protobuf message") from None

@@ -7,7 +7,7 @@ The small API other parts use (the gRPC gate in access.py, an HTTP status page):
     if principal is None: refuse                 # missing, malformed or unknown token
     principal.may_use(tenant), principal.role    # what it may do
 
-Tokens are random strings minted by `python -m kvtag_store.auth new`; the file holds only their
+Tokens are random strings minted by `python -m kvtag_store.security.tokens new`; the file holds only their
 SHA-256, so a leaked file (or a backup of it) does not hand out access. A plain hash, not a slow
 KDF, is enough because tokens carry at least 128 random bits: nothing to brute-force.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("kvtag_store.auth")
+log = logging.getLogger("kvtag_store.security.tokens")
 
 # A grant of every tenant (the admin default).
 ALL_TENANTS = "*"
@@ -120,7 +120,7 @@ def parse_tokens(text: str, source: str, *, json_format: bool) -> dict[str, Prin
         if "token" in entry:
             raise TokenFileError(
                 f"{where} ({principal.name}): holds a plaintext `token`; store only its `sha256` "
-                "(python -m kvtag_store.auth hash) and delete the plaintext"
+                "(python -m kvtag_store.security.tokens hash) and delete the plaintext"
             )
         if principal.name in names:
             raise TokenFileError(f"{where}: name {principal.name!r} is used twice")
@@ -213,8 +213,8 @@ def _read(path: Path) -> dict[str, Principal]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kvtag_store.auth new|hash`: mint a token and print its file entry, or hash one."""
-    parser = argparse.ArgumentParser(prog="python -m kvtag_store.auth", description=main.__doc__)
+    """`python -m kvtag_store.security.tokens new|hash`: mint a token and print its entry, or hash one."""
+    parser = argparse.ArgumentParser(prog="python -m kvtag_store.security.tokens", description=main.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     mint = commands.add_parser("new", help="print a new token (stderr) and its tokens-file entry (stdout)")
     mint.add_argument("--name", required=True)

@@ -6,7 +6,7 @@ small and bounded by the key count). Slots reserved for a shared-memory Put
 and not yet committed count against the capacity too (`reserved_bytes`), so
 committed plus reserved never exceeds it.
 
-Values live in arenas (kvtag_store.arena), one per tenant: shared-memory files
+Values live in arenas (kvtag_store.backends.arena), one per tenant: shared-memory files
 a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
@@ -31,8 +31,8 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from kvtag_store import key_index
-from kvtag_store.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
+from kvtag_store.backends import key_index
+from kvtag_store.backends.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
     BackendStats,
     BlockAddress,
@@ -43,10 +43,11 @@ from kvtag_store.backends.base import (
     PutOutcome,
     PutResult,
     ReadResult,
+    SlotReference,
     TenantUsage,
 )
 
-log = logging.getLogger("kvtag_store.backends.memory")
+log = logging.getLogger("kvtag_store.backends.memory.backend")
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
@@ -238,17 +239,6 @@ class _Namespace:
         for run in self.leases.values():
             held.update(run)
         return held
-
-
-class SlotReference(NamedTuple):
-    """A slot handed to a shared-memory writer (reserve) or reader (get_references, pinned)."""
-
-    segment: str
-    offset: int
-    length: int
-    generation: int
-    # The committed XXH3-64, when the reader verifies its own copy (get_references(verify=False)).
-    digest: int | None = None
 
 
 class MemoryBackend:

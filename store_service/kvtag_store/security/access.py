@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 
 from kvtag_store import errors
-from kvtag_store.auth import Principal, TokenRegistry
+from kvtag_store.security.tokens import Principal, TokenRegistry
 
-log = logging.getLogger("kvtag_store.access")
+log = logging.getLogger("kvtag_store.security.access")
 
 # Only the store's own API is gated: the health service stays open for probes and HEALTHCHECKs,
 # reflection only describes the public schema.

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from kvtag_proto import pages
 
-log = logging.getLogger("kvtag_store.arena")
+log = logging.getLogger("kvtag_store.backends.arena")
 
 MAGIC = b"KVTAGARN"
 FORMAT_VERSION = 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvtag.v1 import store_pb2 as pb
 
-log = logging.getLogger("kvtag_store.history")
+log = logging.getLogger("kvtag_store.observe.history")
 
 DEFAULT_INTERVAL_S = 60.0
 DEFAULT_POINTS = 60

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_store.auth import Principal
 from kvtag_store.backends.base import BackendStats, TenantUsage
+from kvtag_store.security.tokens import Principal
 
 
 def tenant_usage(stats: BackendStats, tenants: dict[str, str]) -> dict[str, TenantUsage]:

@@ -23,18 +23,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvtag.v1 import store_pb2 as pb
 
-from kvtag_store import status_http, wire
-from kvtag_store.access import Access, AuthInterceptor
+from kvtag_store.api import codec
+from kvtag_store.api.servicer import KvStoreService
 from kvtag_store.backends.base import BlockBackend, CensusStore
-from kvtag_store.census_metrics import CensusCollector
 from kvtag_store.config import SERVE, ServiceConfig
-from kvtag_store.history import DEFAULT_INTERVAL_S, HitRateHistory
-from kvtag_store.metrics import StoreMetrics
-from kvtag_store.security_options import Security
-from kvtag_store.service import KvStoreService
-from kvtag_store.status import StatusSource
+from kvtag_store.observe import status_http
+from kvtag_store.observe.census_metrics import CensusCollector
+from kvtag_store.observe.history import DEFAULT_INTERVAL_S, HitRateHistory
+from kvtag_store.observe.metrics import StoreMetrics
+from kvtag_store.observe.status import StatusSource
+from kvtag_store.security.access import Access, AuthInterceptor
+from kvtag_store.security.options import Security
 
-log = logging.getLogger("kvtag_store.server")
+log = logging.getLogger("kvtag_store.app.server")
 
 # How long past the grace stop() waits for gRPC to report the calls cancelled.
 STOP_SLACK_S = 1.0
@@ -44,10 +45,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvStore"].full_name
 
 def kvstore_handlers(service: KvStoreService) -> grpc.GenericRpcHandler:
     """The KvStore method table. No request deserializers: every handler receives the raw bytes and
-    parses them itself after cheap checks (kvtag_store.intake), so a bad message is answered
+    parses them itself after cheap checks (kvtag_store.api.intake), so a bad message is answered
     INVALID_ARGUMENT by the handler and nothing can raise inside gRPC. Responses: generated
-    serializers, except Get and GetStream whose handlers return encoded bytes (kvtag_store.wire)."""
-    out = wire.serialize_response
+    serializers, except Get and GetStream whose handlers return encoded bytes (kvtag_store.api.codec)."""
+    out = codec.serialize_response
 
     def unary(method: Callable[..., object]) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(method, response_serializer=out)

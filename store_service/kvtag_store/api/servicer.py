@@ -18,11 +18,10 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
-from kvtag_store import errors, intake, logs, tenant_stats, validation, wire
-from kvtag_store.access import Access
-from kvtag_store.admission import COPIES, Admission
-from kvtag_store.arena import NONCE_LENGTH, NONCE_OFFSET, Arena
-from kvtag_store.auth import Principal, TokenRegistry
+from kvtag_store import errors
+from kvtag_store.api import codec, intake, validation
+from kvtag_store.api.admission import COPIES, Admission
+from kvtag_store.backends.arena import NONCE_LENGTH, NONCE_OFFSET, Arena
 from kvtag_store.backends.base import (
     BackendUnavailable,
     BlockAddress,
@@ -35,15 +34,19 @@ from kvtag_store.backends.base import (
     PutResult,
     ReadResult,
     SharedMemoryBackend,
+    SlotReference,
 )
-from kvtag_store.backends.memory import MemoryBackend, SlotReference
-from kvtag_store.census import Census
+from kvtag_store.backends.memory.backend import MemoryBackend
 from kvtag_store.config import ServiceConfig, ServiceLimits
-from kvtag_store.crossmode import BaseKeyIndex
-from kvtag_store.metrics import KEY_STATUS_NAMES, PUT_STATUS_NAMES, StoreMetrics
-from kvtag_store.sessions import Session, SessionTable, Unpin
+from kvtag_store.observe import logs, tenant_stats
+from kvtag_store.observe.metrics import KEY_STATUS_NAMES, PUT_STATUS_NAMES, StoreMetrics
+from kvtag_store.policy.base_keys import BaseKeyIndex
+from kvtag_store.policy.census import Census
+from kvtag_store.policy.sessions import Session, SessionTable, Unpin
+from kvtag_store.security.access import Access
+from kvtag_store.security.tokens import Principal, TokenRegistry
 
-log = logging.getLogger("kvtag_store.service")
+log = logging.getLogger("kvtag_store.api.servicer")
 # Requests refused before they were read (malformed bytes, admission): one line a second per reason.
 rejections = logs.RateLimited(log)
 _UNREAD = frozenset({"MALFORMED_REQUEST", "SERVER_BUSY"})
@@ -469,7 +472,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     # -- data ---------------------------------------------------------------
 
     @rpc(intake.LOOKUP)
-    def Lookup(self, request: wire.LookupBatch, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: codec.LookupBatch, context: grpc.ServicerContext) -> pb.LookupResponse:
         session = self._session(request.session_id, context, "Lookup")
         ns_id, mode_id = session.namespace_id, session.mode_id
         if request.packed:
@@ -511,7 +514,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if packed is not None:
             statuses, pinned = packed(ns_id, mode_id, [(run.group, run.keys, run.key_length) for run in runs])
             return statuses, pinned if pinned is not None else ()
-        listed, pinned = self._lookup_and_pin(ns_id, mode_id, wire.packed_addresses(runs))
+        listed, pinned = self._lookup_and_pin(ns_id, mode_id, codec.packed_addresses(runs))
         return bytes(listed), pinned
 
     def _lookup_and_pin(
@@ -536,7 +539,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         return statuses, pinned
 
     def _cross_mode_misses(
-        self, session: Session, request: wire.LookupBatch, statuses: Sequence[int]
+        self, session: Session, request: codec.LookupBatch, statuses: Sequence[int]
     ) -> Counter[str] | None:
         """Misses another mode holds, by base key. Clients send base keys for all items or none, so the
         first miss tells whether to look (reading base_key of every item would double Lookup's cost)."""
@@ -556,7 +559,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             counter.labels(KEY_STATUS_NAMES[pb.MODE_MISMATCH]).inc(mismatches)
 
     def _put_items(
-        self, session: Session, items: Sequence[wire.PutItemView], results: list[pb.PutResult]
+        self, session: Session, items: Sequence[codec.PutItemView], results: list[pb.PutResult]
     ) -> None:
         """All value items of the request go to the backend in one put_many call (a batch backend
         amortises its round trips); items without an inline value are refused in place."""
@@ -612,13 +615,13 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             "headroom); store smaller blocks",
         )
 
-    def _check_put_keys(self, items: list[wire.PutItemView]) -> None:
+    def _check_put_keys(self, items: list[codec.PutItemView]) -> None:
         validation.batch_size("items", len(items), self.limits)
         for index, item in enumerate(items):
             validation.key(item.key, f"items[{index}].block.key", self.limits)
 
     @rpc(intake.PUT)
-    def Put(self, request: wire.PutBatch, context: grpc.ServicerContext) -> pb.PutResponse:
+    def Put(self, request: codec.PutBatch, context: grpc.ServicerContext) -> pb.PutResponse:
         session = self._session(request.session_id, context, "Put")
         self._check_put_keys(request.items)
         response = pb.PutResponse()
@@ -652,7 +655,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def _put_message(
         self,
         session: Session | None,
-        request: wire.PutBatch,
+        request: codec.PutBatch,
         results: list[pb.PutResult],
         context: grpc.ServicerContext,
     ) -> Session:
@@ -702,13 +705,13 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc(intake.GET)
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> bytes:
-        """Returns the encoded GetResponse (wire.encode_get_results): with the memory backend each value
+        """Returns the encoded GetResponse (codec.encode_get_results): with the memory backend each value
         is copied once, from its pinned slot straight into the reply."""
         session, _, results, pinned = self._read(request, context, "Get", views=True)
         try:
             served = sum(len(r.value) for r in results if r.value is not None)
             with self.admission.hold(COPIES * served):
-                reply = wire.encode_get_results(results)
+                reply = codec.encode_get_results(results)
         finally:
             if pinned:
                 self.backend.unpin(session.namespace_id, pinned)
@@ -725,7 +728,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             raise errors.data_path_not_negotiated("GetReferences")
         if request.packed_blocks:
             validation.packed_blocks(request, self.limits, "GetReferences")
-            addresses = wire.packed_addresses(request.packed_blocks)
+            addresses = codec.packed_addresses(request.packed_blocks)
         else:
             addresses = validation.addresses(list(map(_GROUP_KEY, request.blocks)), "blocks", self.limits)
         ns_id = session.namespace_id
@@ -776,13 +779,13 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         for r in results:
             length = len(r.value) if r.value is not None else 0
             if chunk and size + length > budget:
-                yield wire.encode_get_results(chunk)
+                yield codec.encode_get_results(chunk)
                 chunk, size = [], 0
             chunk.append(r)
             size += length + 16
             served += length
         if chunk or not results:
-            yield wire.encode_get_results(chunk)
+            yield codec.encode_get_results(chunk)
         self.metrics.get_bytes.inc(served)
 
     @rpc(intake.RELEASE_LEASES)
@@ -906,9 +909,9 @@ def _split_runs(runs: Sequence[pb.PackedBlocks]) -> list[tuple[int, bytes, bytes
     """(group, key, base key) of checked packed runs (validation.packed_runs), in order."""
     items: list[tuple[int, bytes, bytes]] = []
     for run in runs:
-        keys = wire.split_keys(run.keys, run.key_length)
+        keys = codec.split_keys(run.keys, run.key_length)
         bases = (
-            wire.split_keys(run.base_keys, len(run.base_keys) // len(keys))
+            codec.split_keys(run.base_keys, len(run.base_keys) // len(keys))
             if run.base_keys
             else repeat(b"", len(keys))
         )

@@ -19,11 +19,11 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store.backends.base import BackendStats, BackendUnavailable
 from kvtag_store.config import policy_name
-from kvtag_store.history import HitRateHistory, Point
-from kvtag_store.modes import MODE_FIELDS, field_text
-from kvtag_store.tenant_stats import tenant_usage
+from kvtag_store.observe.history import HitRateHistory, Point
+from kvtag_store.observe.tenant_stats import tenant_usage
+from kvtag_store.policy.mode_diff import MODE_FIELDS, field_text
 
-log = logging.getLogger("kvtag_store.status")
+log = logging.getLogger("kvtag_store.observe.status")
 
 SCHEMA = "kvtag.status/v1"
 DESCRIPTOR_FIELDS = (

@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from kvtag_store.backends.base import BackendStats, BackendUnavailable
 
-log = logging.getLogger("kvtag_store.metrics")
+log = logging.getLogger("kvtag_store.observe.metrics")
 
 
 class StoreMetrics:

@@ -10,9 +10,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from kvtag_store.auth import TokenFileError, TokenRegistry
 from kvtag_store.config import env_default, env_name, parse_size
-from kvtag_store.tls import ServerTls, TlsFileError
+from kvtag_store.security.tls import ServerTls, TlsFileError
+from kvtag_store.security.tokens import TokenFileError, TokenRegistry
 
 log = logging.getLogger("kvtag_store.security")
 

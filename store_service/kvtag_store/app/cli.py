@@ -20,9 +20,10 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_channel
 
-from kvtag_store import logs, report, security_options, watch
+from kvtag_store.app import terminal
+from kvtag_store.app.server import start_server
 from kvtag_store.backends.base import BlockBackend, CensusStore
-from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
 from kvtag_store.backends.mooncake import options as mooncake_options
 from kvtag_store.config import (
     SERVE,
@@ -33,7 +34,8 @@ from kvtag_store.config import (
     policy_name,
     service_config,
 )
-from kvtag_store.server import start_server
+from kvtag_store.observe import logs, report
+from kvtag_store.security import options
 
 log = logging.getLogger("kvtag_store")
 # Start/stop lines are shown at any --log-level: supervisors and tests wait for "serving".
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the store service")
     add_serve_arguments(serve)
-    security_options.add_arguments(serve)
+    options.add_arguments(serve)
     mooncake_options.add_arguments(serve)
     for name, help_text in (
         ("diagnose", "print the census and mismatch report of a running store"),
@@ -127,9 +129,7 @@ def client_security(args: argparse.Namespace) -> ChannelSecurity:
     )
 
 
-def _build_backend(
-    args: argparse.Namespace, security: security_options.Security
-) -> tuple[BlockBackend, CensusStore]:
+def _build_backend(args: argparse.Namespace, security: options.Security) -> tuple[BlockBackend, CensusStore]:
     if args.backend == "mooncake":
         if security.tenant_quotas:
             raise ValueError("--tenant-quota applies to the memory backend only (docs/security.md)")
@@ -154,7 +154,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(exc))
     logs.configure(args.log_format, args.log_level)
     try:
-        security = security_options.build(args)
+        security = options.build(args)
     except argparse.ArgumentTypeError as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -286,7 +286,7 @@ def watch_diagnose(args: argparse.Namespace, security: ChannelSecurity) -> int:
                 return f"cannot reach the store at {args.target}: {_describe(exc)}"
             return report.diagnose_table(answer)
 
-        return watch.run(
+        return terminal.run(
             fetch, sys.stdout, title=f"kvtag-store diagnose {args.target}", interval_s=args.interval
         )
 

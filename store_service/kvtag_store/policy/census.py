@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 
-from kvtag_store import errors, modes
+from kvtag_store import errors
 from kvtag_store.backends.base import CensusStore, ProbeRecord
-from kvtag_store.sessions import Session, now_ms
+from kvtag_store.policy import mode_diff
+from kvtag_store.policy.sessions import Session, now_ms
 
 RECENT_ENGINES = 16
 RECENT_EVENTS = 32
@@ -70,7 +71,7 @@ class Census:
         """Apply the namespace policy and the probe check; raise ApiError on refusal."""
         ns_id = ids.namespace_id(request.namespace)
         mode_id = ids.mode_id(request.mode)
-        ns_text = modes.describe_namespace(ns_id, request.namespace)
+        ns_text = mode_diff.describe_namespace(ns_id, request.namespace)
         with self._lock:
             state = self._namespaces.get(ns_id)
             if state is None:
@@ -82,20 +83,20 @@ class Census:
         warnings: list[pb.CensusWarning] = []
         if state.policy == pb.POLICY_STRICT:
             established = self._store.establish_mode(ns_id, ids.mode_encoding(request.mode))
-            established_mode = modes.decode_mode(established)
+            established_mode = mode_diff.decode_mode(established)
             established_id = ids.mode_id(established_mode)
             with self._lock:
                 state.established_mode_id = established_id
                 state.modes.setdefault(established_id, ModeState(mode=established_mode))
             if established_id != mode_id:
-                diffs = modes.mode_diff(established_mode, request.mode)
+                diffs = mode_diff.mode_diff(established_mode, request.mode)
                 refusal = pb.ModeRefusal(
                     namespace_id=ns_id,
                     established_mode_id=established_id,
                     requested_mode_id=mode_id,
                     diffs=diffs,
                 )
-                message = modes.refusal_message(request.engine_id, ns_text, established_id, diffs)
+                message = mode_diff.refusal_message(request.engine_id, ns_text, established_id, diffs)
                 self._record_refusal(state, request.engine_id, message, refusal)
                 raise errors.mode_refused(message, refusal)
         else:
@@ -107,7 +108,7 @@ class Census:
                 other_mode = state.modes[other_id].mode
                 fields = ", ".join(
                     f"{d.field} {d.established} there, {d.requested} here"
-                    for d in modes.mode_diff(other_mode, request.mode)
+                    for d in mode_diff.mode_diff(other_mode, request.mode)
                 )
                 warnings.append(
                     pb.CensusWarning(
@@ -151,7 +152,7 @@ class Census:
         reference: ProbeRecord,
     ) -> _ProbeDrift:
         reference_labels = self._labels_of(state, reference.engine_id)
-        cause = modes.likely_cause(request.mode, reference_labels, dict(request.labels))
+        cause = mode_diff.likely_cause(request.mode, reference_labels, dict(request.labels))
         record = pb.ProbeDisagreement(
             namespace_id=ns_id,
             mode_id=mode_id,

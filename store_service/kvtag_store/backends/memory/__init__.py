@@ -1,0 +1,1 @@
+"""The embedded memory backend: namespaces and entries, pools and eviction, reservations, pins."""

@@ -1,0 +1,1 @@
+"""Who may call: tokens, the access interceptor, TLS and the security flags."""
