@@ -19,8 +19,12 @@ CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin,$(b
 run: $(STAMPS)/service
 	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
 
+# Fragments add their own targets; EXTRA_TESTS names the ones `make test` runs after the connector suite.
+EXTRA_TESTS :=
+include $(wildcard mk/*.mk)
+
 # Everything CI runs, in order of cost.
-test: check test-service test-client test-mooncake typecheck-vllm test-connector test-e2e test-status test-container
+test: check test-service test-client test-mooncake typecheck-vllm test-connector $(EXTRA_TESTS) test-e2e test-status test-container
 
 # The inner loop: static checks and the service suite (no vLLM, no Mooncake, no containers).
 test-fast: check
