@@ -26,6 +26,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MALFORMED_REQUEST: _ClassVar[ErrorReason]
     SERVER_BUSY: _ClassVar[ErrorReason]
     DATA_PATH_NOT_NEGOTIATED: _ClassVar[ErrorReason]
+    NAMESPACE_CAP_REACHED: _ClassVar[ErrorReason]
+    SESSION_CAP_REACHED: _ClassVar[ErrorReason]
 
 class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -70,6 +72,8 @@ ROLE_NOT_ALLOWED: ErrorReason
 MALFORMED_REQUEST: ErrorReason
 SERVER_BUSY: ErrorReason
 DATA_PATH_NOT_NEGOTIATED: ErrorReason
+NAMESPACE_CAP_REACHED: ErrorReason
+SESSION_CAP_REACHED: ErrorReason
 POLICY_UNSPECIFIED: Policy
 POLICY_ISOLATE: Policy
 POLICY_STRICT: Policy
@@ -589,21 +593,23 @@ class ModeCounters(_message.Message):
     def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., mode_mismatches: _Optional[int] = ..., cross_mode_misses: _Optional[int] = ..., conflicts: _Optional[int] = ..., stored: _Optional[int] = ...) -> None: ...
 
 class ModeReport(_message.Message):
-    __slots__ = ("mode_id", "mode", "engines", "counters", "cross_mode_misses")
+    __slots__ = ("mode_id", "mode", "engines", "counters", "cross_mode_misses", "engines_forgotten")
     MODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     CROSS_MODE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     mode_id: str
     mode: HashingMode
     engines: _containers.RepeatedCompositeFieldContainer[EngineRecord]
     counters: ModeCounters
     cross_mode_misses: _containers.RepeatedCompositeFieldContainer[CrossModeMiss]
-    def __init__(self, mode_id: _Optional[str] = ..., mode: _Optional[_Union[HashingMode, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineRecord, _Mapping]]] = ..., counters: _Optional[_Union[ModeCounters, _Mapping]] = ..., cross_mode_misses: _Optional[_Iterable[_Union[CrossModeMiss, _Mapping]]] = ...) -> None: ...
+    engines_forgotten: int
+    def __init__(self, mode_id: _Optional[str] = ..., mode: _Optional[_Union[HashingMode, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineRecord, _Mapping]]] = ..., counters: _Optional[_Union[ModeCounters, _Mapping]] = ..., cross_mode_misses: _Optional[_Iterable[_Union[CrossModeMiss, _Mapping]]] = ..., engines_forgotten: _Optional[int] = ...) -> None: ...
 
 class NamespaceReport(_message.Message):
-    __slots__ = ("namespace_id", "namespace", "policy", "established_mode_id", "modes", "refused", "probe_disagreements")
+    __slots__ = ("namespace_id", "namespace", "policy", "established_mode_id", "modes", "refused", "probe_disagreements", "last_active_unix_ms", "modes_forgotten")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +617,8 @@ class NamespaceReport(_message.Message):
     MODES_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     PROBE_DISAGREEMENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTIVE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MODES_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     namespace: NamespaceDescriptor
     policy: Policy
@@ -618,19 +626,31 @@ class NamespaceReport(_message.Message):
     modes: _containers.RepeatedCompositeFieldContainer[ModeReport]
     refused: _containers.RepeatedCompositeFieldContainer[RefusedSession]
     probe_disagreements: _containers.RepeatedCompositeFieldContainer[ProbeDisagreement]
-    def __init__(self, namespace_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceDescriptor, _Mapping]] = ..., policy: _Optional[_Union[Policy, str]] = ..., established_mode_id: _Optional[str] = ..., modes: _Optional[_Iterable[_Union[ModeReport, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RefusedSession, _Mapping]]] = ..., probe_disagreements: _Optional[_Iterable[_Union[ProbeDisagreement, _Mapping]]] = ...) -> None: ...
+    last_active_unix_ms: int
+    modes_forgotten: int
+    def __init__(self, namespace_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceDescriptor, _Mapping]] = ..., policy: _Optional[_Union[Policy, str]] = ..., established_mode_id: _Optional[str] = ..., modes: _Optional[_Iterable[_Union[ModeReport, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RefusedSession, _Mapping]]] = ..., probe_disagreements: _Optional[_Iterable[_Union[ProbeDisagreement, _Mapping]]] = ..., last_active_unix_ms: _Optional[int] = ..., modes_forgotten: _Optional[int] = ...) -> None: ...
 
 class DiagnoseRequest(_message.Message):
-    __slots__ = ("namespace_id",)
+    __slots__ = ("namespace_id", "filter", "page_size", "page_token")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
-    def __init__(self, namespace_id: _Optional[str] = ...) -> None: ...
+    filter: str
+    page_size: int
+    page_token: str
+    def __init__(self, namespace_id: _Optional[str] = ..., filter: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class DiagnoseResponse(_message.Message):
-    __slots__ = ("namespaces",)
+    __slots__ = ("namespaces", "next_page_token", "total_namespaces")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceReport]
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceReport, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    total_namespaces: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceReport, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_namespaces: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -134,7 +134,8 @@ class KvStoreServicer:
 
     def OpenSession(self, request, context):
         """Opens a session in a namespace and mode. Fails with INVALID_ARGUMENT
-        (INVALID_DESCRIPTOR, INVALID_PROBE) or, under `strict`,
+        (INVALID_DESCRIPTOR, INVALID_PROBE), RESOURCE_EXHAUSTED
+        (NAMESPACE_CAP_REACHED, SESSION_CAP_REACHED) or, under `strict`,
         FAILED_PRECONDITION (MODE_REFUSED, PROBE_DISAGREEMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -238,7 +239,7 @@ class KvStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Diagnose(self, request, context):
-        """Census and mismatch report per namespace.
+        """Census and mismatch report per namespace, a page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
