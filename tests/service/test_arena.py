@@ -3,6 +3,7 @@ coalesce, and a full arena says so instead of overlapping; arena files are priva
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import stat
@@ -12,6 +13,16 @@ from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, FAULTED_OFFSET, Are
 from kvtag_store.backends.memory.backend import MemoryBackend
 
 from tests.net import wait_until
+
+
+def assert_disjoint(arena: Arena, used: list[Slot]) -> None:
+    """Used and free slots never overlap, and none lies above the bump pointer. Reads the arena's free
+    lists and bump pointer: the allocator's own invariant, which no public call exposes."""
+    free = [(start, start + span) for span, starts in arena._free.items() for start in starts]
+    spans = sorted([(s.start, s.start + s.span) for s in used] + free)
+    for before, after in itertools.pairwise(spans):
+        assert after[0] >= before[1], f"slots overlap: {before} and {after}"
+    assert all(end <= arena._top for _, end in spans), "a slot lies above the bump pointer"
 
 
 def test_random_allocations_never_overlap_and_reuse_changes_the_generation() -> None:
@@ -37,7 +48,7 @@ def test_random_allocations_never_overlap_and_reuse_changes_the_generation() -> 
                 assert seen[slot.start] != generation, "a reused slot must carry a new generation"
             seen[slot.start] = generation
             live.append(slot)
-            arena.check_disjoint(live)
+            assert_disjoint(arena, live)
         assert arena.slots_in_use == len(live)
     finally:
         arena.close()
@@ -54,7 +65,7 @@ def test_a_full_arena_refuses_then_coalesced_free_space_serves_a_larger_slot() -
             arena.free(slot)
         big = arena.allocate(9 * 4000, 20_000)
         assert big is not None
-        arena.check_disjoint([*small[:10], *small[20:], big])
+        assert_disjoint(arena, [*small[:10], *small[20:], big])
     finally:
         arena.close()
 
@@ -69,7 +80,7 @@ def test_allocate_many_takes_freed_slots_then_fresh_ones_and_stops_when_the_aren
     assert arena.generation(again[0].offset) == 10
     assert 0 < len(again) < 9_990 and arena.slots_in_use == 4 + len(again)
     try:
-        arena.check_disjoint([*first[:1], *first[2:], *again])
+        assert_disjoint(arena, [*first[:1], *first[2:], *again])
         assert arena.allocate(100_000, 1) is None
     finally:
         arena.close()
@@ -125,9 +136,14 @@ def test_the_memory_backend_prefaults_each_pools_capacity_once(tmp_path: Path) -
     capacity, quota = 24 * EXTENT, 8 * EXTENT
     backend = MemoryBackend(capacity, tenant_quotas={"q": quota}, shm_dir=str(tmp_path))
     try:
-        for n, tenant in enumerate(["first", "second", "q"]):
+        tenants = ["first", "second", "q"]
+        for n, tenant in enumerate(tenants):
             backend.assign_tenant(f"ns-{n}", tenant)
-        arenas = {tenant: backend._arenas[tenant] for tenant in ("first", "second", "q")}
+        arenas: dict[str, Arena] = {}
+        for n, tenant in enumerate(tenants):
+            arena = backend.shared_arena(f"ns-{n}")
+            assert arena is not None, f"tenant {tenant!r}'s values live in a shared-memory file"
+            arenas[tenant] = arena
         wait_until(
             lambda: (
                 arenas["first"].faulted_bytes >= capacity - quota

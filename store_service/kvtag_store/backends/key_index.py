@@ -1,8 +1,8 @@
 """A vectorised presence index for packed Lookups: 64-bit key fingerprints in an open-addressing table.
 
-A 4,096-key Lookup probed a Python dict per key; in a store of 200k keys those probes are cache
-misses (~300 ns a key, over a millisecond), paid while vLLM's scheduler waits. Here the probe is a
-few NumPy passes over the packed key bytes, with no object per key.
+A dict probe per key is a cache miss per key once the store is large, paid while vLLM's scheduler
+waits for the Lookup. Here the probe is a few NumPy passes over the packed key bytes, with no object
+per key.
 
 A fingerprint stands for its key, so two keys can share one: then a key can read as present (in
 the other's mode), or as absent once the other is removed. The odds are about n / 2^63 per probed
