@@ -84,6 +84,37 @@ class ServiceLimits:
     max_message_bytes: int = 64 << 20
 
 
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """Milliseconds from "10m", "90s", "1h", "500ms"; a plain number is seconds."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (examples: 10m, 90s, 1h, 500ms)")
+    return int(match.group(1)) * _DURATION_MS[(match.group(2) or "s").lower()]
+
+
+def format_duration_ms(ms: int) -> str:
+    """The shortest exact spelling: 600000 -> "10m"."""
+    for unit in ("h", "m", "s"):
+        if ms and ms % _DURATION_MS[unit] == 0:
+            return f"{ms // _DURATION_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
+@dataclass(frozen=True)
+class Caps:
+    """Bounds on what clients can make the control plane hold (docs/operations.md, "Memory bound").
+    A session that would pass one is refused RESOURCE_EXHAUSTED before anything is kept."""
+
+    max_namespaces: int = 4096
+    max_namespaces_per_tenant: int = 1024
+    max_sessions: int = 4096
+    max_sessions_per_tenant: int = 1024
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Everything the API layer needs to know; the CLI builds it from flags."""
@@ -98,6 +129,10 @@ class ServiceConfig:
     base_index_entries: int = 200_000
     # Admission limit: request and reply bytes (and parsed items) held at once, server-wide.
     max_inflight_bytes: int = 256 << 20
+    # A namespace with no live session, no stored block and no lease is forgotten this long after
+    # its last activity (its counters, engines and history with it).
+    census_retention_ms: int = 600_000
+    caps: Caps = field(default_factory=Caps)
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,7 @@ class ServeDefaults:
 
 
 CONFIG = ServiceConfig()
+CAPS = Caps()
 LIMITS = ServiceLimits()
 SERVE = ServeDefaults()
 
@@ -164,6 +200,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         str(CONFIG.base_index_entries),
         "bound of the base-key index behind cross-mode miss counts",
     )
+    flag(
+        "--census-retention",
+        format_duration_ms(CONFIG.census_retention_ms),
+        "forget a namespace with no live session, stored block or lease this long after its last "
+        "activity (e.g. 10m, 90s, 1h; a plain number is seconds)",
+    )
+    flag("--max-namespaces", str(CAPS.max_namespaces), "namespaces the census holds at once, store-wide")
+    flag("--max-namespaces-per-tenant", str(CAPS.max_namespaces_per_tenant), "namespaces per tenant")
+    flag("--max-sessions", str(CAPS.max_sessions), "live sessions, store-wide")
+    flag("--max-sessions-per-tenant", str(CAPS.max_sessions_per_tenant), "live sessions per tenant")
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")
@@ -204,7 +250,23 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         ),
         base_index_entries=_positive("--base-index-entries", args.base_index_entries),
         max_inflight_bytes=max_inflight_bytes,
+        census_retention_ms=_retention(args.census_retention),
+        caps=Caps(
+            max_namespaces=_positive("--max-namespaces", args.max_namespaces),
+            max_namespaces_per_tenant=_positive(
+                "--max-namespaces-per-tenant", args.max_namespaces_per_tenant
+            ),
+            max_sessions=_positive("--max-sessions", args.max_sessions),
+            max_sessions_per_tenant=_positive("--max-sessions-per-tenant", args.max_sessions_per_tenant),
+        ),
     )
+
+
+def _retention(value: object) -> int:
+    retention = parse_duration_ms(str(value))
+    if retention <= 0:
+        raise argparse.ArgumentTypeError(f"--census-retention must be positive, got {value!r}")
+    return retention
 
 
 def _positive(flag: str, value: object) -> int:

@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_client_security_arguments(sub)
         if name == "diagnose":
             sub.add_argument("--namespace", default="", help="only this namespace_id")
+            sub.add_argument(
+                "--filter",
+                default="",
+                help="only namespaces whose id, model, tenant or a mode id contains this text",
+            )
+            sub.add_argument(
+                "--page-size", type=int, default=0, help="namespaces per Diagnose page (default: the store's)"
+            )
             sub.add_argument("--watch", action="store_true", help="redraw until Ctrl-C, marking what changed")
             sub.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
         if name != "health":
@@ -245,9 +253,7 @@ def query(args: argparse.Namespace, security: ChannelSecurity) -> int:
         stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
         try:
             if args.command == "diagnose":
-                answer: pb.DiagnoseResponse | pb.GetStatsResponse = stub.Diagnose(
-                    pb.DiagnoseRequest(namespace_id=args.namespace), timeout=args.timeout
-                )
+                answer: pb.DiagnoseResponse | pb.GetStatsResponse = diagnose_pages(stub, args)
             else:
                 answer = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:
@@ -281,14 +287,40 @@ def watch_diagnose(args: argparse.Namespace, security: ChannelSecurity) -> int:
 
         def fetch() -> str:
             try:
-                answer = stub.Diagnose(pb.DiagnoseRequest(namespace_id=args.namespace), timeout=args.timeout)
+                answer = diagnose_pages(stub, args, first_only=True)
             except grpc.RpcError as exc:
                 return f"cannot reach the store at {args.target}: {_describe(exc)}"
-            return report.diagnose_table(answer)
+            shown = report.diagnose_table(answer)
+            if answer.next_page_token:
+                shown += (
+                    f"\n\n{len(answer.namespaces)} of {answer.total_namespaces} namespaces shown (the first "
+                    "page: splits, then refusals, then the most active); narrow with --filter"
+                )
+            return shown
 
         return terminal.run(
             fetch, sys.stdout, title=f"kvtag-store diagnose {args.target}", interval_s=args.interval
         )
+
+
+def diagnose_pages(
+    stub: store_pb2_grpc.KvStoreStub, args: argparse.Namespace, first_only: bool = False
+) -> pb.DiagnoseResponse:
+    """Diagnose's pages, followed to the last and joined (or only the first, for --watch); each page
+    gets the whole --timeout."""
+    request = pb.DiagnoseRequest(
+        namespace_id=args.namespace, filter=args.filter, page_size=max(0, args.page_size)
+    )
+    joined = pb.DiagnoseResponse()
+    while True:
+        page: pb.DiagnoseResponse = stub.Diagnose(request, timeout=args.timeout)
+        joined.namespaces.extend(page.namespaces)
+        joined.total_namespaces = page.total_namespaces
+        if first_only:
+            joined.next_page_token = page.next_page_token
+        if first_only or not page.next_page_token:
+            return joined
+        request.page_token = page.next_page_token
 
 
 def _describe(exc: grpc.RpcError) -> str:

@@ -68,20 +68,26 @@ class HitRateHistory:
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
-        """Append one point per known mode: the counter deltas since the previous sample."""
+        """Append one point per known mode: the counter deltas since the previous sample. Series of
+        modes the census no longer reports (forgotten namespaces, pruned modes) go."""
         report = self._read()
         at = int(time.time() * 1000)
+        seen: set[tuple[str, str]] = set()
         with self._lock:
             for ns in report.namespaces:
                 for mode in ns.modes:
                     c = mode.counters
                     key = (ns.namespace_id, mode.mode_id)
+                    seen.add(key)
                     totals = (c.hits, c.misses, c.mode_mismatches, c.cross_mode_misses)
                     last = self._last.get(key, (0, 0, 0, 0))
                     self._last[key] = totals
                     deltas = [max(0, now - before) for now, before in zip(totals, last, strict=True)]
                     series = self._series.setdefault(key, deque(maxlen=self.points))
                     series.append(Point(at, *deltas))
+            for gone in self._series.keys() - seen:
+                del self._series[gone]
+                self._last.pop(gone, None)
 
     def series(self, namespace_id: str, mode_id: str) -> list[Point]:
         with self._lock:

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from kvtag.v1 import store_pb2 as pb
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -59,8 +59,19 @@ class StoreMetrics:
             "kvtag_sessions_expired_total", "Sessions expired without heartbeat", registry=self.registry
         )
 
+        self.namespaces_forgotten = Counter(
+            "kvtag_census_namespaces_forgotten_total",
+            "Namespaces dropped from the census after --census-retention without session, block or lease",
+            registry=self.registry,
+        )
+
     def watch(self, stats: Callable[[], BackendStats], live_sessions: Callable[[], int]) -> None:
         self.registry.register(_StoreCollector(stats, live_sessions))
+
+    def watch_census(self, namespaces: Callable[[], int]) -> None:
+        """The census's size, the figure its caps (--max-namespaces) bound."""
+        gauge = Gauge("kvtag_census_namespaces", "Namespaces the census holds", registry=self.registry)
+        gauge.set_function(lambda: float(namespaces()))
 
 
 class _StoreCollector(Collector):

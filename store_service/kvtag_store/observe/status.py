@@ -19,6 +19,7 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store.backends.base import BackendStats, BackendUnavailable
 from kvtag_store.config import policy_name
+from kvtag_store.observe.diagnose_pages import DiagnosePager
 from kvtag_store.observe.history import HitRateHistory, Point
 from kvtag_store.observe.tenant_stats import tenant_usage
 from kvtag_store.policy.mode_diff import MODE_FIELDS, field_text
@@ -61,25 +62,47 @@ class StatusSource:
         report: Callable[[], pb.DiagnoseResponse],
         stats: Callable[[], BackendStats],
         history: HitRateHistory,
+        pages: DiagnosePager | None = None,
     ) -> None:
+        """With `pages`, documents hold one page of namespaces (paged); without, every namespace."""
         self._report = report
         self._stats = stats
         self.history = history
+        self._pages = pages
 
     def document(self, view: View) -> dict[str, Any]:
+        """Every namespace the view may see (or the first page of them, with `pages`)."""
+        return self.paged(view, pb.DiagnoseRequest())[0]
+
+    def paged(self, view: View, request: pb.DiagnoseRequest) -> tuple[dict[str, Any], str, int]:
+        """The document of one page of namespaces (Diagnose's filter, page_size and page_token), the
+        next page's token ("" on the last) and the namespaces across all pages."""
         try:
             stats: BackendStats | None = self._stats()
         except BackendUnavailable as exc:
             log.warning("status without backend figures: %s", exc)
             stats = None
         per_ns = stats.per_namespace if stats is not None else {}
-        report = self._report()
-        namespaces = [
-            _namespace(ns, per_ns.get(ns.namespace_id), self.history)
-            for ns in report.namespaces
-            if view.may_see(ns.namespace.tenant)
-        ]
-        tenant_of = {ns.namespace_id: ns.namespace.tenant for ns in report.namespaces}
+        if self._pages is not None:
+            report = self._pages.page(request, view.may_see)
+            tenant_of = self._pages.tenants()
+            visible = list(report.namespaces)
+        else:
+            report = self._report()
+            tenant_of = {ns.namespace_id: ns.namespace.tenant for ns in report.namespaces}
+            visible = [ns for ns in report.namespaces if view.may_see(ns.namespace.tenant)]
+            report.total_namespaces = len(visible)
+        namespaces = [_namespace(ns, per_ns.get(ns.namespace_id), self.history) for ns in visible]
+        document = self._document(stats, view, tenant_of, namespaces)
+        return document, report.next_page_token, report.total_namespaces
+
+    def _document(
+        self,
+        stats: BackendStats | None,
+        view: View,
+        tenant_of: dict[str, str],
+        namespaces: list[dict[str, Any]],
+    ) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "generated_at_unix_ms": int(time.time() * 1000),
@@ -178,6 +201,13 @@ def _keys(c: pb.ModeCounters) -> int:
     return c.hits + c.misses + c.mode_mismatches
 
 
+def hit_rate_if_aligned(c: pb.ModeCounters) -> float | None:
+    """The hit rate had the namespace's modes agreed: a key another mode holds would have been a
+    hit, whether the caller's mode missed it (a cross-mode miss, found by base key) or found it
+    tagged with the other mode (a mode mismatch)."""
+    return _rate(c.hits + c.cross_mode_misses + c.mode_mismatches, _keys(c))
+
+
 def _mode(ns_id: str, m: pb.ModeReport, history: HitRateHistory) -> dict[str, Any]:
     c = m.counters
     keys = _keys(c)
@@ -203,7 +233,7 @@ def _mode(ns_id: str, m: pb.ModeReport, history: HitRateHistory) -> dict[str, An
             "stored": c.stored,
         },
         "hit_rate": _rate(c.hits, keys),
-        "hit_rate_if_aligned": _rate(c.hits + c.cross_mode_misses, keys),
+        "hit_rate_if_aligned": hit_rate_if_aligned(c),
         "cross_mode": [
             {"held_by_mode_id": x.held_by_mode_id, "misses": x.count} for x in m.cross_mode_misses
         ],

@@ -4,7 +4,9 @@ One small WSGI app on the standard library's threading WSGI server, like prometh
 exporter, so the metrics port needs no second listener. Who may read the page and the JSON is the
 gate's business (`Gate`): with authentication off every caller sees everything; with it on, a
 viewer or admin token is required and the view holds only that token's tenants. `?tenant=NAME`
-(repeatable) narrows a view further, never widens it.
+(repeatable) narrows a view further, never widens it. Namespaces come a page at a time, as Diagnose
+pages them: `?filter=TEXT&page_size=N&page_token=T`; the JSON's next token is in the
+`X-Kvtag-Next-Page-Token` header (the document's schema is unchanged), the page's in a link.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any, Protocol
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from kvtag.v1 import store_pb2 as pb
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from kvtag_store.errors import ApiError
 from kvtag_store.observe import status_page
 from kvtag_store.observe.status import StatusSource, View
 
@@ -107,15 +111,43 @@ def status_app(source: StatusSource, registry: CollectorRegistry, gate: Gate = o
         except Denied as exc:
             challenge = [("WWW-Authenticate", 'Basic realm="kvtag status"')] if exc.status == 401 else []
             return _reply(start_response, exc.status, "text/plain", (exc.message + "\n").encode(), challenge)
-        wanted = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).get("tenant")
+        query = parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+        wanted = query.get("tenant")
         if wanted:
             view = _narrowed(view, frozenset(wanted))
-        doc = source.document(view)
+        try:
+            request = _page_request(query)
+            doc, next_token, total = source.paged(view, request)
+        except (ApiError, ValueError) as exc:
+            return _reply(start_response, 400, "text/plain", (str(exc) + "\n").encode())
+        paging = [("X-Kvtag-Total-Namespaces", str(total))]
+        if next_token:
+            paging.append(("X-Kvtag-Next-Page-Token", next_token))
         if path == "/api/v1/status":
-            return _reply(start_response, 200, "application/json", json.dumps(doc, indent=2).encode())
-        return _reply(start_response, 200, "text/html; charset=utf-8", status_page.render(doc).encode())
+            body = json.dumps(doc, indent=2).encode()
+            return _reply(start_response, 200, "application/json", body, paging)
+        next_href = _next_href(query, next_token) if next_token else None
+        page = status_page.render(doc, next_href=next_href, total_namespaces=total)
+        return _reply(start_response, 200, "text/html; charset=utf-8", page.encode(), paging)
 
     return app
+
+
+def _page_request(query: dict[str, list[str]]) -> pb.DiagnoseRequest:
+    size = query.get("page_size", ["0"])[0] or "0"
+    if not size.isdigit():
+        raise ValueError(f"page_size must be a non-negative integer, got {size[:32]!r}")
+    return pb.DiagnoseRequest(
+        filter=query.get("filter", [""])[0],
+        page_token=query.get("page_token", [""])[0],
+        page_size=min(int(size), 1 << 31),
+    )
+
+
+def _next_href(query: dict[str, list[str]], token: str) -> str:
+    """The page's own query with the next token in place of its own."""
+    kept = [(k, v) for k, values in query.items() if k != "page_token" for v in values]
+    return "?" + urlencode([*kept, ("page_token", token)])
 
 
 def _narrowed(view: View, tenants: frozenset[str]) -> View:
@@ -132,7 +164,14 @@ def _reply(
     body: bytes,
     headers: list[tuple[str, str]] | None = None,
 ) -> list[bytes]:
-    reason = {200: "OK", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed"}
+    reason = {
+        200: "OK",
+        400: "Bad Request",
+        401: "Unauthorized",
+        403: "Forbidden",
+        404: "Not Found",
+        405: "Method Not Allowed",
+    }
     start_response(
         f"{status} {reason[status]}",
         [

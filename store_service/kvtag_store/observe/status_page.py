@@ -37,8 +37,13 @@ svg.spark{vertical-align:middle}
 """
 
 
-def render(doc: dict[str, Any], refresh_s: int = REFRESH_S) -> str:
-    """The whole page for one status document."""
+def render(
+    doc: dict[str, Any],
+    refresh_s: int = REFRESH_S,
+    next_href: str | None = None,
+    total_namespaces: int | None = None,
+) -> str:
+    """The whole page for one status document: one page of namespaces, with a link to the next."""
     generated = _utc(doc["generated_at_unix_ms"])
     namespaces = doc["namespaces"]
     body = [
@@ -51,7 +56,14 @@ def render(doc: dict[str, Any], refresh_s: int = REFRESH_S) -> str:
     ]
     if not namespaces:
         body.append("<p>No namespaces yet: no engine has opened a session.</p>")
+    elif total_namespaces is not None and (next_href or total_namespaces > len(namespaces)):
+        body.append(
+            f'<p class="muted">{len(namespaces)} of {total_namespaces} namespaces on this page: splits '
+            "first, then refusals, then the most recently active</p>"
+        )
     body += [_namespace(ns, doc["history_interval_s"], doc["history_points"]) for ns in namespaces]
+    if next_href:
+        body.append(f'<p><a id="next-page" href="{escape(next_href)}">next page of namespaces</a></p>')
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'

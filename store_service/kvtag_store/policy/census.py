@@ -4,38 +4,64 @@ and the counters Diagnose reports.
 First-writer-wins facts (a strict namespace's mode, a mode's reference probe)
 go through the backend's CensusStore so replicas over one cluster agree; the
 rest (engines, counters, refusals) is this replica's view.
+
+The census is bounded: a namespace is admitted only under the namespace caps, it is forgotten once
+it has had no live session, stored block or lease for the retention window (sweep), a namespace
+keeps at most MAX_IDLE_MODES modes without live engines, and its records of the past (gone
+engines, refusals) sit in bounded logs (records.py).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 
 from kvtag_store import errors
 from kvtag_store.backends.base import CensusStore, ProbeRecord
-from kvtag_store.policy import mode_diff
+from kvtag_store.config import Caps
+from kvtag_store.policy import caps, mode_diff
+from kvtag_store.policy.records import RecordLog, RecordShelf
 from kvtag_store.policy.sessions import Session, now_ms
 
+# Gone engines listed per mode (the rest are counted in engines_forgotten).
 RECENT_ENGINES = 16
+# Refusals and probe disagreements listed per namespace.
 RECENT_EVENTS = 32
+# Modes without a live engine kept per namespace (the least recently active leave first).
+MAX_IDLE_MODES = 8
+# What a gone engine's record keeps of its labels: the first labels, values cut short.
+GONE_LABELS = 16
+GONE_TEXT = 256
+DEFAULT_RETENTION_MS = 600_000
+
+
+@runtime_checkable
+class ForgettingCensusStore(Protocol):
+    """A CensusStore that can drop a namespace's first-writer records (one replica's own store: a
+    store shared by replicas must not, since another replica may still use them)."""
+
+    def forget_namespace(self, namespace_id: str) -> None: ...
 
 
 @dataclass
 class ModeState:
     mode: pb.HashingMode
     live: dict[str, Session] = field(default_factory=dict)
-    # Closed or expired sessions, newest last: (session, closed_unix_ms).
-    recent: deque[tuple[Session, int]] = field(default_factory=lambda: deque(maxlen=RECENT_ENGINES))
+    # Closed or expired engines, newest last.
+    recent: RecordLog[pb.EngineRecord] = field(default_factory=lambda: RecordLog(RECENT_ENGINES))
     hits: int = 0
     misses: int = 0
     mode_mismatches: int = 0
     conflicts: int = 0
     stored: int = 0
     cross_mode: Counter[str] = field(default_factory=Counter)
+    last_active_ms: int = 0
 
 
 @dataclass
@@ -44,8 +70,31 @@ class NamespaceState:
     policy: int
     established_mode_id: str = ""
     modes: dict[str, ModeState] = field(default_factory=dict)
-    refused: deque[pb.RefusedSession] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
-    disagreements: deque[pb.ProbeDisagreement] = field(default_factory=lambda: deque(maxlen=RECENT_EVENTS))
+    refused: RecordLog[pb.RefusedSession] = field(default_factory=lambda: RecordLog(RECENT_EVENTS))
+    disagreements: RecordLog[pb.ProbeDisagreement] = field(default_factory=lambda: RecordLog(RECENT_EVENTS))
+    last_active_ms: int = 0
+    modes_forgotten: int = 0
+    # The namespace's stored blocks at the last sweep; None until known (or when the backend cannot
+    # say), and then a mode that stored blocks is taken to still hold them.
+    held_blocks: int | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.descriptor.tenant
+
+    def split(self) -> bool:
+        """Its modes lose each other's hits: mismatches, cross-mode misses, or two live modes."""
+        live_modes = 0
+        for m in self.modes.values():
+            if m.mode_mismatches or m.cross_mode:
+                return True
+            live_modes += bool(m.live)
+        return live_modes > 1
+
+    def holds_blocks(self) -> bool:
+        if self.held_blocks is not None:
+            return self.held_blocks > 0
+        return any(m.stored for m in self.modes.values())
 
 
 @dataclass(frozen=True)
@@ -57,13 +106,26 @@ class Admission:
 
 
 class Census:
-    def __init__(self, store: CensusStore, policy_for: dict[str, int], default_policy: int) -> None:
+    def __init__(
+        self,
+        store: CensusStore,
+        policy_for: dict[str, int],
+        default_policy: int,
+        limits: Caps | None = None,
+        retention_ms: int = DEFAULT_RETENTION_MS,
+    ) -> None:
         self._store = store
         self._policy_for = policy_for
         self._default_policy = default_policy
+        self._caps = limits or Caps()
+        self.retention_ms = retention_ms
         self._lock = threading.Lock()
         self._namespaces: dict[str, NamespaceState] = {}
+        self._per_tenant: Counter[str] = Counter()
+        self._shelf = RecordShelf()
         self.refusals_total: Counter[str] = Counter()
+        self.namespaces_forgotten = 0
+        self._next_sweep = 0.0
 
     # -- OpenSession --------------------------------------------------------
 
@@ -75,11 +137,14 @@ class Census:
         with self._lock:
             state = self._namespaces.get(ns_id)
             if state is None:
+                self._check_namespace_room(request.namespace.tenant)
                 state = self._namespaces[ns_id] = NamespaceState(
                     descriptor=pb.NamespaceDescriptor(),
                     policy=self._policy_for.get(ns_id, self._default_policy),
                 )
                 state.descriptor.CopyFrom(request.namespace)
+                self._per_tenant[state.tenant] += 1
+            state.last_active_ms = now_ms()
         warnings: list[pb.CensusWarning] = []
         if state.policy == pb.POLICY_STRICT:
             established = self._store.establish_mode(ns_id, ids.mode_encoding(request.mode))
@@ -100,29 +165,7 @@ class Census:
                 self._record_refusal(state, request.engine_id, message, refusal)
                 raise errors.mode_refused(message, refusal)
         else:
-            with self._lock:
-                others = [
-                    other_id for other_id, other in state.modes.items() if other_id != mode_id and other.live
-                ]
-            for other_id in others:
-                other_mode = state.modes[other_id].mode
-                fields = ", ".join(
-                    f"{d.field} {d.established} there, {d.requested} here"
-                    for d in mode_diff.mode_diff(other_mode, request.mode)
-                )
-                warnings.append(
-                    pb.CensusWarning(
-                        kind="MODE_SPLIT",
-                        other_mode_id=other_id,
-                        message=(
-                            f"engine `{request.engine_id}` joins namespace {ns_text} in mode {mode_id}, but "
-                            f"live engines there hash in mode {other_id} ({fields}); the two modes never "
-                            "share blocks, so each loses the other's hits; align the engines' hashing or "
-                            "split them into separate namespaces (`kvtag-store diagnose` counts the "
-                            "cross-mode misses)"
-                        ),
-                    )
-                )
+            warnings.extend(self._split_warnings(state, mode_id, request, ns_text))
         probe = ProbeRecord(engine_id=request.engine_id, probe_keys=tuple(request.probe_keys))
         reference = self._store.reference_probe(ns_id, mode_id, probe)
         if reference.probe_keys != probe.probe_keys:
@@ -132,6 +175,54 @@ class Census:
             warnings.append(warning.warning)
         return Admission(ns_id, mode_id, state.policy, warnings)
 
+    def _check_namespace_room(self, tenant: str) -> None:
+        """Raise NAMESPACE_CAP_REACHED if one more namespace would pass a cap. Caller holds the lock."""
+        refusal = None
+        if len(self._namespaces) >= self._caps.max_namespaces:
+            refusal = caps.namespace_cap("--max-namespaces", self._caps.max_namespaces, None)
+        elif self._per_tenant[tenant] >= self._caps.max_namespaces_per_tenant:
+            refusal = caps.namespace_cap(
+                "--max-namespaces-per-tenant", self._caps.max_namespaces_per_tenant, tenant
+            )
+        if refusal is not None:
+            self.refusals_total[refusal.reason] += 1
+            raise refusal
+
+    def _split_warnings(
+        self, state: NamespaceState, mode_id: str, request: pb.OpenSessionRequest, ns_text: str
+    ) -> Iterator[pb.CensusWarning]:
+        """MODE_SPLIT for each other mode with live engines, or whose stored blocks the namespace may
+        still hold (whoever stored them, however long ago: the census keeps such a mode while the
+        namespace holds blocks)."""
+        with self._lock:
+            holds = state.holds_blocks()
+            others = [
+                (other_id, other.mode, bool(other.live))
+                for other_id, other in state.modes.items()
+                if other_id != mode_id and (other.live or (holds and other.stored))
+            ]
+        for other_id, other_mode, live in others:
+            fields = ", ".join(
+                f"{d.field} {d.established} there, {d.requested} here"
+                for d in mode_diff.mode_diff(other_mode, request.mode)
+            )
+            where = (
+                f"live engines there hash in mode {other_id} ({fields}); the two modes never share "
+                "blocks, so each loses the other's hits"
+                if live
+                else f"its blocks were stored in mode {other_id} ({fields}), which this mode can never "
+                "read, so they are misses here"
+            )
+            yield pb.CensusWarning(
+                kind="MODE_SPLIT",
+                other_mode_id=other_id,
+                message=(
+                    f"engine `{request.engine_id}` joins namespace {ns_text} in mode {mode_id}, but {where}; "
+                    "align the engines' hashing or split them into separate namespaces (`kvtag-store "
+                    "diagnose` counts the cross-mode misses)"
+                ),
+            )
+
     def _record_refusal(
         self, state: NamespaceState, engine_id: str, message: str, refusal: pb.ModeRefusal | None
     ) -> None:
@@ -139,7 +230,7 @@ class Census:
         if refusal is not None:
             record.refusal.CopyFrom(refusal)
         with self._lock:
-            state.refused.append(record)
+            self._shelf.add(state.refused, record)
             self.refusals_total["MODE_REFUSED" if refusal is not None else "PROBE_DISAGREEMENT"] += 1
 
     def _probe_disagreement(
@@ -168,7 +259,7 @@ class Census:
             f"never share hits ({verdict}); {cause}"
         )
         with self._lock:
-            state.disagreements.append(record)
+            self._shelf.add(state.disagreements, record)
         if state.policy == pb.POLICY_STRICT:
             self._record_refusal(state, request.engine_id, message, None)
         return _ProbeDrift(message, record)
@@ -179,26 +270,101 @@ class Census:
                 for session in mode_state.live.values():
                     if session.engine_id == engine_id:
                         return dict(session.labels)
-                for session, _ in mode_state.recent:
-                    if session.engine_id == engine_id:
-                        return dict(session.labels)
+                for record in mode_state.recent:
+                    if record.engine_id == engine_id:
+                        return dict(record.labels)
         return {}
 
     def joined(self, session: Session, mode: pb.HashingMode) -> None:
         with self._lock:
-            state = self._namespaces[session.namespace_id]
+            state = self._namespaces.get(session.namespace_id)
+            if state is None:  # forgotten since admit: only with a retention shorter than the call
+                return
             mode_state = state.modes.get(session.mode_id)
             if mode_state is None:
                 mode_state = state.modes[session.mode_id] = ModeState(mode=pb.HashingMode())
                 mode_state.mode.CopyFrom(mode)
             mode_state.live[session.session_id] = session
+            state.last_active_ms = mode_state.last_active_ms = now_ms()
 
     def left(self, session: Session) -> None:
         with self._lock:
             state = self._namespaces.get(session.namespace_id)
             mode_state = state.modes.get(session.mode_id) if state else None
             if mode_state is not None and mode_state.live.pop(session.session_id, None) is not None:
-                mode_state.recent.append((session, now_ms()))
+                assert state is not None
+                self._shelf.add(mode_state.recent, _gone_record(session))
+                state.last_active_ms = mode_state.last_active_ms = now_ms()
+
+    # -- forgetting ---------------------------------------------------------
+
+    def sweep_due(self, now: float) -> bool:
+        """True at most every quarter retention window (between 0.1 s and 30 s): a sweep reads the
+        backend's per-namespace figures, which is not free."""
+        if now < self._next_sweep:
+            return False
+        self._next_sweep = now + min(30.0, max(0.1, self.retention_ms / 4000.0))
+        return True
+
+    def sweep(self, held: Mapping[str, int] | None, at_ms: int | None = None) -> list[str]:
+        """Forget namespaces with no live session, no stored block and no lease whose last activity
+        is older than the retention window (those named by --namespace-policy are kept), and prune
+        idle modes of the others. `held`: namespace_id -> stored blocks, or None when the backend
+        cannot say (then a namespace whose modes stored blocks is kept). Leases belong to sessions, so
+        a namespace without a live session holds none. Returns the forgotten namespace ids."""
+        now = now_ms() if at_ms is None else at_ms
+        horizon = now - self.retention_ms
+        forgotten: list[str] = []
+        with self._lock:
+            for ns_id, state in list(self._namespaces.items()):
+                if held is not None:
+                    state.held_blocks = held.get(ns_id, 0)
+                live = any(m.live for m in state.modes.values())
+                if (
+                    not live
+                    and state.last_active_ms <= horizon
+                    and ns_id not in self._policy_for
+                    and not state.holds_blocks()
+                ):
+                    self._forget_locked(ns_id, state)
+                    forgotten.append(ns_id)
+                else:
+                    self._prune_modes_locked(state, horizon)
+        if forgotten and isinstance(self._store, ForgettingCensusStore):
+            for ns_id in forgotten:
+                self._store.forget_namespace(ns_id)
+        return forgotten
+
+    def _forget_locked(self, ns_id: str, state: NamespaceState) -> None:
+        del self._namespaces[ns_id]
+        left = self._per_tenant[state.tenant] - 1
+        if left > 0:
+            self._per_tenant[state.tenant] = left
+        else:
+            del self._per_tenant[state.tenant]
+        state.refused.close()
+        state.disagreements.close()
+        for mode_state in state.modes.values():
+            mode_state.recent.close()
+        self.namespaces_forgotten += 1
+
+    def _prune_modes_locked(self, state: NamespaceState, horizon: int) -> None:
+        """Drop idle modes that no block needs remembered, then the least recently active idle modes
+        past MAX_IDLE_MODES. A strict namespace's established mode stays while the namespace does."""
+        holds = state.holds_blocks()
+        idle = [
+            (m.last_active_ms, mode_id)
+            for mode_id, m in state.modes.items()
+            if not m.live and mode_id != state.established_mode_id
+        ]
+        drop = {
+            mode_id for at, mode_id in idle if at <= horizon and not (holds and state.modes[mode_id].stored)
+        }
+        kept = sorted((entry for entry in idle if entry[1] not in drop), reverse=True)
+        drop.update(mode_id for _, mode_id in kept[MAX_IDLE_MODES:])
+        for mode_id in drop:
+            state.modes.pop(mode_id).recent.close()
+            state.modes_forgotten += 1
 
     # -- counters -----------------------------------------------------------
 
@@ -218,6 +384,8 @@ class Census:
             mode_state = state.modes.get(session.mode_id) if state else None
             if mode_state is None:
                 return
+            assert state is not None
+            state.last_active_ms = mode_state.last_active_ms = now_ms()
             mode_state.hits += hits
             mode_state.misses += misses
             mode_state.mode_mismatches += mode_mismatches
@@ -225,43 +393,37 @@ class Census:
             mode_state.stored += stored
             if cross_mode:
                 mode_state.cross_mode.update(cross_mode)
+                if len(mode_state.cross_mode) > 2 * MAX_IDLE_MODES:  # held_by modes long forgotten
+                    mode_state.cross_mode = Counter(dict(mode_state.cross_mode.most_common(MAX_IDLE_MODES)))
 
     # -- reports ------------------------------------------------------------
 
     def report(self, namespace_id: str = "") -> pb.DiagnoseResponse:
-        response = pb.DiagnoseResponse()
+        """Every namespace (or one), by id: what the history, the metrics and an unpaged status read."""
         with self._lock:
-            for ns_id, state in sorted(self._namespaces.items()):
-                if namespace_id and ns_id != namespace_id:
+            chosen = [namespace_id] if namespace_id else sorted(self._namespaces)
+        return pb.DiagnoseResponse(namespaces=list(self.reports(chosen)))
+
+    def order(self, wanted: Callable[[str, NamespaceState], bool] | None = None) -> list[str]:
+        """Namespace ids in the order an operator reads them: splits first, then refusals or probe
+        disagreements, then the most recently active; `wanted` filters."""
+        with self._lock:
+            ranked = [
+                (not state.split(), not (state.refused or state.disagreements), -state.last_active_ms, ns_id)
+                for ns_id, state in self._namespaces.items()
+                if wanted is None or wanted(ns_id, state)
+            ]
+        ranked.sort()
+        return [entry[3] for entry in ranked]
+
+    def reports(self, namespace_ids: Iterable[str]) -> Iterator[pb.NamespaceReport]:
+        """The reports of those of `namespace_ids` still in the census, in the order given."""
+        for ns_id in namespace_ids:
+            with self._lock:
+                state = self._namespaces.get(ns_id)
+                if state is None:
                     continue
-                ns_report = response.namespaces.add(
-                    namespace_id=ns_id,
-                    policy=state.policy,
-                    established_mode_id=state.established_mode_id,
-                    refused=list(state.refused),
-                    probe_disagreements=list(state.disagreements),
-                )
-                ns_report.namespace.CopyFrom(state.descriptor)
-                for mode_id, mode_state in sorted(state.modes.items()):
-                    mode_report = ns_report.modes.add(mode_id=mode_id)
-                    mode_report.mode.CopyFrom(mode_state.mode)
-                    for session in mode_state.live.values():
-                        mode_report.engines.append(_engine_record(session, live=True))
-                    for session, _closed in reversed(mode_state.recent):
-                        mode_report.engines.append(_engine_record(session, live=False))
-                    mode_report.counters.CopyFrom(
-                        pb.ModeCounters(
-                            hits=mode_state.hits,
-                            misses=mode_state.misses,
-                            mode_mismatches=mode_state.mode_mismatches,
-                            cross_mode_misses=sum(mode_state.cross_mode.values()),
-                            conflicts=mode_state.conflicts,
-                            stored=mode_state.stored,
-                        )
-                    )
-                    for held_by, count in mode_state.cross_mode.most_common():
-                        mode_report.cross_mode_misses.add(held_by_mode_id=held_by, count=count)
-        return response
+                yield _namespace_report(ns_id, state)
 
     def tenants(self) -> dict[str, str]:
         """namespace_id -> tenant of every namespace this replica has admitted a session of."""
@@ -271,6 +433,10 @@ class Census:
     def live_sessions(self) -> int:
         with self._lock:
             return sum(len(m.live) for s in self._namespaces.values() for m in s.modes.values())
+
+    def namespace_count(self, tenant: str | None = None) -> int:
+        with self._lock:
+            return len(self._namespaces) if tenant is None else self._per_tenant[tenant]
 
 
 class _ProbeDrift(errors.ApiError):
@@ -282,6 +448,53 @@ class _ProbeDrift(errors.ApiError):
         self.warning = pb.CensusWarning(
             kind="PROBE_DISAGREEMENT", message=message, other_mode_id=record.mode_id
         )
+
+
+def _namespace_report(ns_id: str, state: NamespaceState) -> pb.NamespaceReport:
+    """Caller holds the census lock."""
+    ns_report = pb.NamespaceReport(
+        namespace_id=ns_id,
+        policy=state.policy,  # type: ignore[arg-type]
+        established_mode_id=state.established_mode_id,
+        refused=list(state.refused),
+        probe_disagreements=list(state.disagreements),
+        last_active_unix_ms=state.last_active_ms,
+        modes_forgotten=state.modes_forgotten,
+    )
+    ns_report.namespace.CopyFrom(state.descriptor)
+    for mode_id, mode_state in sorted(state.modes.items()):
+        mode_report = ns_report.modes.add(mode_id=mode_id, engines_forgotten=mode_state.recent.forgotten)
+        mode_report.mode.CopyFrom(mode_state.mode)
+        for session in mode_state.live.values():
+            mode_report.engines.append(_engine_record(session, live=True))
+        mode_report.engines.extend(reversed(mode_state.recent))
+        mode_report.counters.CopyFrom(
+            pb.ModeCounters(
+                hits=mode_state.hits,
+                misses=mode_state.misses,
+                mode_mismatches=mode_state.mode_mismatches,
+                cross_mode_misses=sum(mode_state.cross_mode.values()),
+                conflicts=mode_state.conflicts,
+                stored=mode_state.stored,
+            )
+        )
+        for held_by, count in mode_state.cross_mode.most_common():
+            mode_report.cross_mode_misses.add(held_by_mode_id=held_by, count=count)
+    return ns_report
+
+
+def _gone_record(session: Session) -> pb.EngineRecord:
+    """What the census keeps of an engine that left: its record, labels trimmed (GONE_LABELS,
+    GONE_TEXT) so a log of gone engines stays small whatever the engines declared."""
+    record = _engine_record(session, live=False)
+    record.engine_id = record.engine_id[:GONE_TEXT]
+    if len(session.labels) > GONE_LABELS or any(
+        len(k) > GONE_TEXT or len(v) > GONE_TEXT for k, v in session.labels.items()
+    ):
+        record.ClearField("labels")
+        for key in sorted(session.labels)[:GONE_LABELS]:
+            record.labels[key[:GONE_TEXT]] = session.labels[key][:GONE_TEXT]
+    return record
 
 
 def _engine_record(session: Session, *, live: bool) -> pb.EngineRecord:

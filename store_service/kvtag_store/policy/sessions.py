@@ -3,6 +3,8 @@
 Sessions expire session_ttl after their last call; leases after their own
 duration. The table never touches the backend: it returns what to unpin and
 the API layer unpins it, so this module stays backend-agnostic and testable.
+It also holds the caps on live sessions (store-wide and per tenant), checked
+under the same lock that adds a session, so concurrent opens cannot pass them.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtag_store.backends.base import BlockAddress
+from kvtag_store.config import Caps
+from kvtag_store.policy import caps
 
 
 def now_ms() -> int:
@@ -56,13 +61,33 @@ Unpin = tuple[str, Sequence[BlockAddress]]
 class SessionTable:
     """Thread-safe sessions + leases. `clock` is injectable only so tests need not sleep long."""
 
-    def __init__(self, session_ttl_ms: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, session_ttl_ms: int, clock: Callable[[], float] = time.monotonic, limits: Caps | None = None
+    ) -> None:
         self.session_ttl_ms = session_ttl_ms
         self._ttl = session_ttl_ms / 1000.0
         self._clock = clock
+        self._caps = limits or Caps()
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._leases: dict[str, Lease] = {}
+        self._per_tenant: Counter[str] = Counter()
+
+    def check_room(self, tenant: str) -> None:
+        """Raise SESSION_CAP_REACHED if a session of `tenant` would pass a cap now (a cheap early
+        check, before the census admits anything; open() checks again atomically)."""
+        with self._lock:
+            self._check_room_locked(tenant)
+
+    def _check_room_locked(self, tenant: str) -> None:
+        if len(self._sessions) >= self._caps.max_sessions:
+            raise caps.session_cap("--max-sessions", self._caps.max_sessions, None)
+        if self._per_tenant[tenant] >= self._caps.max_sessions_per_tenant:
+            raise caps.session_cap("--max-sessions-per-tenant", self._caps.max_sessions_per_tenant, tenant)
+
+    def live_count(self, tenant: str | None = None) -> int:
+        with self._lock:
+            return len(self._sessions) if tenant is None else self._per_tenant[tenant]
 
     def open(
         self, engine_id: str, namespace_id: str, mode_id: str, labels: dict[str, str], tenant: str = ""
@@ -80,8 +105,18 @@ class SessionTable:
             tenant=tenant,
         )
         with self._lock:
+            self._check_room_locked(tenant)
             self._sessions[session.session_id] = session
+            self._per_tenant[tenant] += 1
         return session
+
+    def _remove_locked(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        left = self._per_tenant[session.tenant] - 1
+        if left > 0:
+            self._per_tenant[session.tenant] = left
+        else:
+            del self._per_tenant[session.tenant]
 
     def touch(self, session_id: str, may_use: Callable[[str], bool] | None = None) -> Session | None:
         """The live session, its deadline pushed out; None when unknown, expired, or of a tenant
@@ -104,7 +139,7 @@ class SessionTable:
             session = self._sessions.get(session_id)
             if session is None or (may_use is not None and not may_use(session.tenant)):
                 return None, []
-            del self._sessions[session_id]
+            self._remove_locked(session)
             return session, self._drop_leases(session.leases)
 
     def add_lease(
@@ -183,7 +218,7 @@ class SessionTable:
             dead = [s for s in self._sessions.values() if s.deadline <= now]
             unpins: list[Unpin] = []
             for session in dead:
-                del self._sessions[session.session_id]
+                self._remove_locked(session)
                 unpins.extend(self._drop_leases(session.leases))
             stale = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
             unpins.extend(self._drop_leases(stale))
