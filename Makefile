@@ -10,7 +10,7 @@ LISTEN ?= 127.0.0.1:50051
 # Each suite prints the coverage of the code it exercises: a report to read, never a threshold.
 # The client suite runs without vLLM, so its report leaves out the connector and plugin (test-connector covers them).
 COV := --cov-report=term-missing:skip-covered
-CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin,$(basename $(notdir $(wildcard client/kvtag_client/*.py)))))
+CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin connector,$(basename $(notdir $(wildcard client/kvtag_client/*.py))) $(notdir $(patsubst %/__init__.py,%,$(wildcard client/kvtag_client/*/__init__.py)))))
 
 .PHONY: run test test-fast check lint typecheck proto proto-check \
         typecheck-vllm test-service test-client test-connector test-e2e test-mooncake test-status test-container \

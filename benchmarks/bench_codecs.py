@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
-from kvtag_client.get_decoding import decode_get_response
-from kvtag_client.put_encoding import encode_put_request
+from kvtag_client.inline.get_decoding import decode_get_response
+from kvtag_client.inline.put_encoding import encode_put_request
 from kvtag_store.api import codec
 from kvtag_store.backends.base import KeyStatus, ReadResult
 from provenance import git_describe

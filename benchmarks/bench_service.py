@@ -48,7 +48,7 @@ from bench_processes import ECHO_SERVICE, Server, channel_options, serve_bytes, 
 from google.protobuf.internal import api_implementation
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from kvtag_client.put_encoding import PutItemFields, encode_put_request
+from kvtag_client.inline.put_encoding import PutItemFields, encode_put_request
 from provenance import git_describe
 from server_profile import find_py_spy, profile_server
 

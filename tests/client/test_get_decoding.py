@@ -1,4 +1,4 @@
-"""The hand-read GetResponse (kvtag_client.get_decoding) is exactly what the generated parser reads."""
+"""The hand-read GetResponse (kvtag_client.inline.get_decoding) is exactly what the generated parser reads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_client.get_decoding import decode_get_response
+from kvtag_client.inline.get_decoding import decode_get_response
 from kvtag_store.api import codec
 from kvtag_store.backends.base import KeyStatus, ReadResult
 

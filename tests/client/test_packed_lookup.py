@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from kvtag_client.lookups import _chunked
+from kvtag_client.packed_keys import chunked
 from kvtag_client.store import PackedKeys, pack_blocks
 
 from tests.net import wait_until
@@ -57,7 +57,7 @@ def test_chunks_hold_at_most_the_batch_limit_and_cover_every_block(
     blocks: list[tuple[int, bytes, bytes]], limit: int
 ) -> None:
     runs = pack_blocks(blocks)
-    chunks = list(_chunked(runs, limit))
+    chunks = list(chunked(runs, limit))
     assert all(0 < sum(r.count for r in chunk) <= limit for _, chunk in chunks)
     assert [offset for offset, _ in chunks] == [limit * i for i in range(len(chunks))]
     assert [b for _, chunk in chunks for b in _unpacked(chunk)] == _sent(blocks)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
-from kvtag_client.inline_transfer import _ITEM_OVERHEAD
+from kvtag_client.inline.transfer import ITEM_OVERHEAD
 from kvtag_client.store import StoreClient
 
 from tests.descriptors import namespace
@@ -34,11 +34,11 @@ def test_put_messages_cover_every_item_once_within_limits(
             max_key_bytes=64, max_batch_items=max_batch_items, max_message_bytes=1 << 20
         )
         items = [(0, n.to_bytes(4, "big"), b"v" * size, b"") for n, size in enumerate(sizes)]
-        messages = list(client._put_messages(items, list(range(len(items))), target))
+        messages = list(client.inline.put_messages(items, list(range(len(items))), target))
         assert [n for message in messages for n in message] == list(range(len(items)))
         for message in messages:
             assert 0 < len(message) <= max_batch_items
-            size = sum(len(items[n][1]) + len(items[n][2]) + _ITEM_OVERHEAD for n in message)
+            size = sum(len(items[n][1]) + len(items[n][2]) + ITEM_OVERHEAD for n in message)
             assert size <= target or len(message) == 1
     finally:
         client.close()

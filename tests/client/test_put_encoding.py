@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
-from kvtag_client.put_encoding import PutItemFields, encode_put_request
+from kvtag_client.inline.put_encoding import PutItemFields, encode_put_request
 from kvtag_proto.varint import encode_varint
 from kvtag_store.api import codec
 

@@ -16,7 +16,7 @@ import pytest
 import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
-from kvtag_client.shared_memory import LARGE_SLOT_BYTES
+from kvtag_client.shm.mapping import LARGE_SLOT_BYTES
 from kvtag_client.store import StoreClient
 from kvtag_proto import pages
 
@@ -79,7 +79,7 @@ def test_wrong_mode_get_gets_no_reference_and_no_bytes(
     assert legacy.put([(0, b"block", b"legacy-bytes", b"")]) == [pb.STORED]
     assert lookahead.put([(0, b"block", b"lookahead-bytes", b"")]) == [pb.CONFLICT]
     assert lookahead.get([(0, b"block")]) == [None]
-    reply = lookahead._stub.GetReferences(
+    reply = lookahead.session.stub.GetReferences(
         pb.GetRequest(session_id=lookahead.session_id, blocks=[pb.BlockRef(key=b"block")]), timeout=10
     )
     assert [(r.status, r.HasField("slot")) for r in reply.results] == [(pb.MODE_MISMATCH, False)]
@@ -172,7 +172,7 @@ def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(
     fill = [(0, f"after-{i}".encode(), os.urandom(64 << 10), b"") for i in range(16)]
     assert client.put(fill) == [pb.STORED] * 16
     stats = _stats(store.endpoint)
-    spare = sum(len(slots) for slots in client._spares.values()) * (64 << 10)
+    spare = sum(client.shm.spares.held().values()) * (64 << 10)
     assert spare == 64 << 10
     assert (stats.used_bytes + stats.reserved_bytes, stats.reserved_bytes, stats.spare_bytes) == (
         1 << 20,
@@ -189,8 +189,9 @@ def test_unmappable_arena_falls_back_to_inline_and_says_so_once(
     shared_store: StoreProcess, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = _shm_client(make_client, shared_store.endpoint, tenant="fallback")
-    assert first._arena is not None
-    arena_path = Path("/dev/shm") / first._arena.segment
+    first_arena = first.shm.arena()
+    assert first_arena is not None
+    arena_path = Path("/dev/shm") / first_arena.segment
     arena_path.unlink()  # as if the engine saw another /dev/shm: the offered file is not there
     caplog.set_level(logging.INFO, logger="kvtag_client.store")
     second = make_client(shared_store.endpoint, tenant="fallback")
@@ -198,7 +199,7 @@ def test_unmappable_arena_falls_back_to_inline_and_says_so_once(
     assert second.data_path == "inline"
     assert second.put([(0, b"inline", b"still-stored", b"")]) == [pb.STORED]
     # A re-opened session tries again and stays inline without a second warning.
-    second._stub.CloseSession(pb.CloseSessionRequest(session_id=second.session_id), timeout=10)
+    second.session.stub.CloseSession(pb.CloseSessionRequest(session_id=second.session_id), timeout=10)
     assert second.get([(0, b"inline")]) == [b"still-stored"]
     assert first.get([(0, b"inline")]) == [b"still-stored"]  # the attached client keeps its mapping
     warnings = [r for r in caplog.records if "shared-memory path unavailable" in r.getMessage()]
@@ -247,14 +248,14 @@ def test_a_session_commits_only_its_own_reservations_and_each_once(
     )
     reservation.slots[0][:] = b"owned"
     generation = reservation.generations[0]
-    stolen = other._stub.CommitSlots(
+    stolen = other.session.stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=other.session_id, generations=[generation]), timeout=10
     )
     assert [r.status for r in stolen.results] == [pb.REJECTED]
     assert "no such reservation" in stolen.results[0].reason
     assert other.get([(0, b"owned")]) == [None]
     assert owner.commit(reservation) == [pb.STORED]
-    again = owner._stub.CommitSlots(
+    again = owner.session.stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=owner.session_id, generations=[generation]), timeout=10
     )
     assert [r.status for r in again.results] == [pb.REJECTED]
@@ -278,7 +279,7 @@ def test_the_client_maps_what_the_service_prefaulted_before_any_put(
     """The service touches its arena up front; the client follows the arena's faulted word and maps those
     pages into its own page tables in the background, so its first puts do not pay a fault per page."""
     client = _shm_client(make_client, shared_store.endpoint, tenant="premapped")
-    arena = client._shared_arena()
+    arena = client.shm.arena()
     assert arena is not None
     path = next(str(p) for p in Path("/dev/shm").glob(f"*{arena.segment}*"))
     view = arena.view
@@ -317,13 +318,13 @@ def test_a_stream_of_gets_carries_each_read_lease_release_on_the_next_get(
     items = [(0, f"c-{n}".encode(), os.urandom(4096), b"") for n in range(8)]
     assert client.put(items) == [pb.STORED] * len(items)
     sent: list[tuple[str, ...]] = []
-    release = client.release
+    release = client.caller.release  # every ReleaseLeases goes through the caller
 
     def counted(lease_ids: tuple[str, ...]) -> None:
         sent.append(lease_ids)
         release(lease_ids)
 
-    client.release = counted  # type: ignore[method-assign,assignment]
+    client.caller.release = counted  # type: ignore[method-assign,assignment]
     for _ in range(30):
         assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
     wait_until(lambda: _stats(store.endpoint).leased_keys == 0, 10, "the last lease's release")
@@ -363,7 +364,7 @@ def test_closing_a_client_right_after_its_gets_leaves_no_thread_failing_on_the_c
             assert client.put(items) == [pb.STORED] * len(items)
         assert client.get([(0, k) for _, k, _, _ in items]) == [v for _, _, v, _ in items]
         client.close()
-        assert client._releaser is None or not client._releaser.is_alive()
+        assert not client.shm.releaser.is_alive()
     assert failures == []
 
 
@@ -376,9 +377,9 @@ def test_a_value_corrupted_in_the_arena_is_caught_by_the_readers_copy_dropped_an
     client = _shm_client(make_client, store.endpoint, tenant="corrupt")
     good, bad = os.urandom(8192), os.urandom(8192)
     assert client.put([(0, b"good", good, b""), (0, b"bad", bad, b"")]) == [pb.STORED, pb.STORED]
-    arena = client._shared_arena()
+    arena = client.shm.arena()
     assert arena is not None
-    answer = client._stub.GetReferences(
+    answer = client.session.stub.GetReferences(
         pb.GetRequest(session_id=client.session_id, blocks=[pb.BlockRef(key=b"bad")], verify_in_client=True),
         timeout=10,
     )
@@ -413,7 +414,7 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
         slot[:] = value
     generations = [g for g in reservation.generations if g is not None]
     with pytest.raises(grpc.RpcError) as refused:
-        client._stub.CommitSlots(
+        client.session.stub.CommitSlots(
             pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=[1]),
             timeout=10,
         )
@@ -421,7 +422,7 @@ def test_commit_records_the_clients_digest_and_a_wrong_one_never_serves_bytes(
     assert "one per generation" in str(refused.value.details())
     digests = [xxhash.xxh3_64_intdigest(v) for v in values]
     digests[-1] ^= 1
-    committed = client._stub.CommitSlots(
+    committed = client.session.stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=client.session_id, generations=generations, xxh3_64=digests),
         timeout=10,
     )
@@ -456,7 +457,7 @@ def test_large_slots_are_written_and_read_on_two_threads_with_their_exact_digest
     request = pb.GetRequest(session_id=client.session_id, verify_in_client=True)
     for _, key, _, _ in sized:
         request.blocks.add(key=key)
-    reply = client._stub.GetReferences(request, timeout=10)
+    reply = client.session.stub.GetReferences(request, timeout=10)
     assert [r.xxh3_64 for r in reply.results] == [xxhash.xxh3_64_intdigest(v) for v in values]
     client.release((reply.lease.lease_id,))
 
@@ -497,7 +498,7 @@ def test_packed_get_references_answer_exactly_what_the_message_per_block_form_do
     ]
     assert client.put(stored) == [pb.STORED] * len(stored)
     asked = [(0, b"p-0-0"), (0, b"absent"), (0, b"p-0-2"), (3, b"p-3-1"), (3, b"p-3-9")]
-    listed = client._stub.GetReferences(
+    listed = client.session.stub.GetReferences(
         pb.GetRequest(
             session_id=client.session_id,
             blocks=[pb.BlockRef(group=g, key=k) for g, k in asked],
@@ -513,7 +514,7 @@ def test_packed_get_references_answer_exactly_what_the_message_per_block_form_do
         pb.PackedBlocks(group=0, key_length=5, keys=b"p-0-2"),
         pb.PackedBlocks(group=3, key_length=5, keys=b"p-3-1p-3-9"),
     ]
-    packed = client._stub.GetReferences(
+    packed = client.session.stub.GetReferences(
         pb.GetRequest(session_id=client.session_id, packed_blocks=runs, verify_in_client=True), timeout=10
     )
     assert not packed.results and not listed.HasField("packed")
@@ -530,12 +531,12 @@ def test_packed_get_references_answer_exactly_what_the_message_per_block_form_do
 
     for stub_call, request in (
         (
-            client._stub.GetReferences,
+            client.session.stub.GetReferences,
             pb.GetRequest(session_id=client.session_id, blocks=[pb.BlockRef(key=b"x")], packed_blocks=runs),
         ),
-        (client._stub.Get, pb.GetRequest(session_id=client.session_id, packed_blocks=runs)),
+        (client.session.stub.Get, pb.GetRequest(session_id=client.session_id, packed_blocks=runs)),
         (
-            client._stub.GetReferences,
+            client.session.stub.GetReferences,
             pb.GetRequest(
                 session_id=client.session_id, packed_blocks=[pb.PackedBlocks(key_length=5, keys=b"p-0-0!")]
             ),
@@ -562,7 +563,7 @@ def test_packed_reserve_slots_answer_each_item_and_record_its_base_key(
         pb.PackedBlocks(key_length=4, keys=keys[:12], base_keys=b"b1b2b3"),
         pb.PackedBlocks(group=3, key_length=4, keys=keys[12:]),
     ]
-    answer = writer._stub.ReserveSlots(
+    answer = writer.session.stub.ReserveSlots(
         pb.ReserveSlotsRequest(
             session_id=writer.session_id, packed_items=runs, packed_lengths=[10, 10, too_large, 20]
         ),
@@ -573,7 +574,7 @@ def test_packed_reserve_slots_answer_each_item_and_record_its_base_key(
     assert list(packed.statuses) == [pb.PUT_STATUS_UNSPECIFIED, pb.ALREADY_PRESENT, pb.REJECTED, 0]
     assert packed.reasons[0] == "" and str(too_large) in packed.reasons[1], list(packed.reasons)
     assert len(packed.offsets) == len(packed.generations) == 2 and len(set(packed.generations)) == 2
-    assert packed.segment == writer._shared_arena().segment  # type: ignore[union-attr]
+    assert packed.segment == writer.shm.arena().segment  # type: ignore[union-attr]
 
     # The client's own packed reserve records base keys: another mode's lookup names the holder.
     reader = _shm_client(make_client, store.endpoint, lookahead_tokens=1, tenant="packed-grants")
@@ -607,6 +608,6 @@ def test_packed_reserve_slots_answer_each_item_and_record_its_base_key(
     ):
         request.session_id = writer.session_id
         with pytest.raises(grpc.RpcError) as refused:
-            writer._stub.ReserveSlots(request, timeout=10)
+            writer.session.stub.ReserveSlots(request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert field in str(refused.value.details()) or field in str(refused.value.trailing_metadata())

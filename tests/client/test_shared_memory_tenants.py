@@ -66,13 +66,14 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
     assert b.get([(0, b"globex-block")]) == [secret]
     pending = b.reserve([(0, b"globex-pending", 64, b"")])
     assert pending is not None and pending.generations[0] is not None
-    assert a._arena is not None and b._arena is not None
+    a_arena, b_arena = a.shm.arena(), b.shm.arena()
+    assert a_arena is not None and b_arena is not None
 
     # Each tenant has its own arena file; A's mapping (the whole file) never holds B's bytes.
-    a_path, b_path = Path("/dev/shm") / a._arena.segment, Path("/dev/shm") / b._arena.segment
+    a_path, b_path = Path("/dev/shm") / a_arena.segment, Path("/dev/shm") / b_arena.segment
     assert a_path != b_path
     assert secret in b_path.read_bytes() and secret not in a_path.read_bytes()
-    assert secret not in bytes(a._arena.view)
+    assert secret not in bytes(a_arena.view)
 
     # Files are private to the service's user: another user cannot even open them.
     for path in (a_path, b_path):
@@ -82,9 +83,9 @@ def test_a_tenant_a_token_never_reaches_tenant_b_values_through_shared_memory(
         assert denied.returncode != 0 and b"Permission denied" in denied.stderr
 
     # With token A's channel, nothing of B's arena is handed out, whatever session id is named.
-    stub = a._stub
+    stub = a.session.stub
     b_session = b.session_id
-    b_nonce = b._arena.nonce
+    b_nonce = b_arena.nonce
     open_b = pb.OpenSessionRequest(
         engine_id="intruder",
         namespace=b.namespace,
@@ -158,11 +159,15 @@ def test_with_shm_groups_each_tenants_arena_opens_only_for_its_own_group(
     paths = {}
     for tenant in groups:
         client = make_client(store.endpoint, tenant=tenant)
-        assert client.open() and client._arena is not None and client.data_path == "shared_memory"
-        paths[tenant] = Path("/dev/shm") / client._arena.segment
+        assert client.open() and client.data_path == "shared_memory"
+        arena = client.shm.arena()
+        assert arena is not None
+        paths[tenant] = Path("/dev/shm") / arena.segment
     shared = make_client(store.endpoint, tenant="")
-    assert shared.open() and shared._arena is not None
-    assert stat.S_IMODE((Path("/dev/shm") / shared._arena.segment).stat().st_mode) == 0o600
+    assert shared.open()
+    shared_arena = shared.shm.arena()
+    assert shared_arena is not None
+    assert stat.S_IMODE((Path("/dev/shm") / shared_arena.segment).stat().st_mode) == 0o600
     for tenant, gid in groups.items():
         info = paths[tenant].stat()
         assert (info.st_gid, stat.S_IMODE(info.st_mode)) == (gid, 0o660)

@@ -53,15 +53,15 @@ def _shm_client(make_client: ClientFactory, endpoint: str, **kwargs: object) -> 
 
 
 def _held(client: StoreClient) -> int:
-    return sum(len(slots) for slots in client._spares.values())
+    return sum(client.shm.spares.held().values())
 
 
 def test_a_put_after_the_first_takes_one_round_trip_and_stores_exact_bytes(
     shared_store: StoreProcess, make_client: ClientFactory
 ) -> None:
     client = _shm_client(make_client, shared_store.endpoint, tenant="spare-exact")
-    counting = _CountingStub(client._stub)
-    client._stub = counting  # type: ignore[assignment]
+    counting = _CountingStub(client.session.stub)
+    client.session.stub = counting  # type: ignore[assignment]
     batches = [[(0, f"b{b}-{i}".encode(), os.urandom(4096 + i), b"") for i in range(8)] for b in range(4)]
     assert client.put(batches[0]) == [pb.STORED] * 8
     assert counting.calls == Counter(ReserveSlots=1, CommitSlots=1)
@@ -77,7 +77,7 @@ def test_a_put_after_the_first_takes_one_round_trip_and_stores_exact_bytes(
     other = [(0, f"other-{i}".encode(), os.urandom(100), b"") for i in range(3)]
     assert client.put(other) == [pb.STORED] * 3
     assert counting.calls["ReserveSlots"] == 2
-    assert list(client._spares) == [100] and _held(client) == 3
+    assert client.shm.spares.held() == {100: 3}
 
 
 def test_a_spare_slot_never_overwrites_a_stored_block_and_keeps_its_mode(
@@ -101,7 +101,7 @@ def test_a_spare_slot_never_overwrites_a_stored_block_and_keeps_its_mode(
     # The same answer on the wire: packed statuses, and a reason only for the CONFLICT.
     gens = writer.reserve([(0, b"first", 64, b""), (0, b"theirs", 64, b"")])
     assert gens is not None and gens.spare
-    wire = writer._stub.CommitSlots(
+    wire = writer.session.stub.CommitSlots(
         pb.CommitSlotsRequest(
             session_id=writer.session_id,
             generations=[g for g in gens.generations if g is not None],
@@ -144,8 +144,8 @@ def test_spares_older_than_half_a_session_ttl_are_not_written_but_given_back(
     and the next commit cancels the stale spares."""
     store = start_store("--session-ttl-ms", "1000")
     client = _shm_client(make_client, store.endpoint)
-    counting = _CountingStub(client._stub)
-    client._stub = counting  # type: ignore[assignment]
+    counting = _CountingStub(client.session.stub)
+    client.session.stub = counting  # type: ignore[assignment]
     assert client.put([(0, b"early", b"e" * 128, b"")]) == [pb.STORED]
     assert _held(client) == 1
     time.sleep(0.6)
@@ -160,7 +160,7 @@ def test_commit_slots_refuses_or_rejects_every_malformed_spare_form(
     shared_store: StoreProcess, make_client: ClientFactory
 ) -> None:
     client = _shm_client(make_client, shared_store.endpoint, tenant="spare-forms")
-    stub, sid = client._stub, client.session_id
+    stub, sid = client.session.stub, client.session_id
     before = _stats(shared_store.endpoint).reserved_bytes
 
     def commit(**fields: Any) -> pb.CommitSlotsResponse:
@@ -205,7 +205,7 @@ def test_an_inline_session_is_granted_no_spares(
 ) -> None:
     client = make_client(shared_store.endpoint, tenant="spare-inline", data_path="inline")
     assert client.open() and client.data_path == "inline"
-    response = client._stub.CommitSlots(
+    response = client.session.stub.CommitSlots(
         pb.CommitSlotsRequest(session_id=client.session_id, spare_lengths=[10]), timeout=10
     )
     assert (

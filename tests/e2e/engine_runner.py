@@ -191,7 +191,7 @@ def _inject_state_fault(llm: Any, fault: str) -> None:
     shared-memory `get_into` (what engines on the store's host use) and inline `get`.
     """
     from kvtag_client.connector.groups import classify
-    from kvtag_client.get_decoding import Value
+    from kvtag_client.inline.get_decoding import Value
     from kvtag_client.store import StoreClient
 
     state_groups = set(classify(_core(llm).scheduler.kv_cache_config).state_groups)

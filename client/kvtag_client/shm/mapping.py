@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 
+import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import pages
 
@@ -28,6 +29,10 @@ _EXTENT = 2 << 20
 _FIRST_VALUE = 4096 + 64
 # How long the follower below keeps watching the arena's faulted word once it stops growing.
 _FOLLOW_IDLE_S = 5.0
+
+# The store's checksum of a slot's value (CommitSlotsRequest.xxh3_64, GetReference.xxh3_64). It
+# releases the GIL.
+value_digest = xxhash.xxh3_64_intdigest
 
 
 class UnusableOffer(Exception):
@@ -122,15 +127,15 @@ class ArenaMapping:
         return held == generation
 
 
-# Slots at least this large are copied into with the GIL released (copy_into), and a put of such slots
-# is written on two threads (SharedMemoryTransfer.write_slots): below it, handing work over costs more
-# than it saves (a 64 KiB digest takes ~3 us).
+# Slots at least this large are copied into with the GIL released (copy_into), and a put or get of such
+# slots is split over two threads (DigestThread.in_halves): below it, handing work over costs more than
+# it saves (docs/benchmarks.md, "Figures behind choices in the code").
 LARGE_SLOT_BYTES = 256 << 10
 
 
 def copy_into(slot: memoryview, value: bytes) -> None:
     """slot[:] = value, but a large `bytes` value is copied by ctypes.memmove, which releases the GIL:
-    the other half of a put (SharedMemoryTransfer.write_slots) then runs on another core meanwhile."""
+    the other half of a put (SharedPuts.write_slots) then runs on another core meanwhile."""
     if type(value) is bytes and len(value) == slot.nbytes and len(value) >= LARGE_SLOT_BYTES:
         holder = ctypes.c_char.from_buffer(slot)
         try:
