@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
 from kvtag_store.backends.mooncake.census import MooncakeCensus
+from kvtag_store.backends.mooncake.client import MooncakeClient, connect
 
 from .mooncake_cluster import MooncakeCluster, in_private_netns, settings_for
 

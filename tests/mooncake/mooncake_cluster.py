@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtag_store.backends.mooncake.backend import MooncakeSettings
+from kvtag_store.backends.mooncake.client import MooncakeSettings
 
 from tests.net import free_port, wait_until
 

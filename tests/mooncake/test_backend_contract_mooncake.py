@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from kvtag_store.backends.base import BlockAddress, BlockBackend
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
 from kvtag_store.backends.mooncake.census import MooncakeCensus
+from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 
 from tests.contract.backend_contract import BackendContract, Pair

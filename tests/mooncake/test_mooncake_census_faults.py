@@ -17,7 +17,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_proto.errors import parse_error
-from kvtag_store.backends.mooncake.backend import MooncakeClient, connect
+from kvtag_store.backends.mooncake.client import MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import census_key
 
 from tests.descriptors import mode, namespace

@@ -21,7 +21,8 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import parse_error
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
+from kvtag_store.backends.mooncake.client import MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 
 from tests.descriptors import mode, namespace

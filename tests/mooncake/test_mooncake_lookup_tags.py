@@ -4,12 +4,14 @@ never serves bytes in the wrong mode."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from kvtag_store.backends.base import KeyStatus, PutOutcome
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
+from kvtag_store.backends.mooncake.client import MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.mode_cache import ModeCache
 
@@ -25,23 +27,35 @@ def replica(cluster: MooncakeCluster) -> Iterator[MooncakeBackend]:
     backend.close()
 
 
-def count_header_reads(backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many headers the backend reads from now on (the real reader, counted)."""
-    counted: list[int] = []
-    real = backend._headers.read
+class _HeaderCountingClient:
+    """The real Mooncake client, counting the headers it is asked to read (get_into_ranges, the
+    call the backend reads headers with)."""
 
-    def read(keys: Sequence[str]) -> list[bytes | int]:
-        counted.append(len(keys))
-        found: list[bytes | int] = real(keys)
-        return found
+    def __init__(self, client: MooncakeClient) -> None:
+        self._client = client
+        self.header_reads: list[int] = []
 
-    monkeypatch.setattr(backend._headers, "read", read)
-    return counted
+    def get_into_ranges(self, buffer_ptrs: list[int], all_keys: list[list[str]], *ranges: Any) -> Any:
+        self.header_reads.append(sum(len(keys) for keys in all_keys))
+        return self._client.get_into_ranges(buffer_ptrs, all_keys, *ranges)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@pytest.fixture
+def counted(cluster: MooncakeCluster) -> Iterator[tuple[MooncakeBackend, _HeaderCountingClient]]:
+    """A kvtag backend over a client that counts the headers it reads."""
+    client = _HeaderCountingClient(connect(settings_for(cluster)))
+    backend = MooncakeBackend(cast(MooncakeClient, client), settings_for(cluster))
+    yield backend, client
+    backend.close()
 
 
 def test_lookup_answers_as_the_headers_and_reads_none_for_blocks_seen_before(
-    mooncake_backend: MooncakeBackend, replica: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+    counted: tuple[MooncakeBackend, _HeaderCountingClient], replica: MooncakeBackend
 ) -> None:
+    mooncake_backend, client = counted
     ns = fresh_ns()
     ours = [addr(f"ours{i}") for i in range(40)]
     theirs = [addr(f"theirs{i}") for i in range(10)]
@@ -55,7 +69,8 @@ def test_lookup_answers_as_the_headers_and_reads_none_for_blocks_seen_before(
         KeyStatus.HIT if a in ours else KeyStatus.MODE_MISMATCH if a in theirs else KeyStatus.MISS
         for a in asked
     ]
-    reads = count_header_reads(mooncake_backend, monkeypatch)
+    reads = client.header_reads
+    reads.clear()  # counted from here on
     # Ours were seen at their put; theirs were not, so only their headers are read, once.
     assert mooncake_backend.lookup(ns, MODE, asked) == expected
     assert reads == [len(theirs)]

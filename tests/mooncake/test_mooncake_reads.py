@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from kvtag_store.backends.base import BackendUnavailable, BlockAddress, BlockKey, KeyStatus, PutOutcome
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, connect
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
+from kvtag_store.backends.mooncake.client import MooncakeClient, connect
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 
 from .mooncake_cluster import MooncakeCluster, settings_for

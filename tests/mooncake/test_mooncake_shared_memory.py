@@ -26,7 +26,8 @@ from kvtag_store.backends.base import (
     SharedMemoryBackend,
     SlotReference,
 )
-from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeClient, MooncakeSettings, connect
+from kvtag_store.backends.mooncake.backend import MooncakeBackend
+from kvtag_store.backends.mooncake.client import MooncakeClient, MooncakeSettings, connect
 from kvtag_store.backends.mooncake.format import object_key
 from kvtag_store.backends.mooncake.staging import StagedAddress
 
@@ -165,7 +166,7 @@ def test_staged_round_trip_is_byte_exact_and_readable_by_the_inline_path(staged:
     inline = [(addr(f"inline-{n}"), os.urandom(n)) for n in SIZES]
     assert {r.outcome for r in staged.put_many(ns, MODE, inline)} == {PutOutcome.STORED}
     assert read(staged, ns, MODE, [a for a, _ in inline]) == [v for _, v in inline]
-    assert staged._staging is not None and staged._staging.slots_in_use == 0
+    assert staged.staging_slots_in_use == 0
 
 
 def test_stored_blocks_are_answered_at_reserve_and_a_wrong_mode_gets_no_reference(
@@ -181,7 +182,7 @@ def test_stored_blocks_are_answered_at_reserve_and_a_wrong_mode_gets_no_referenc
     statuses, references, pinned = staged.get_references(ns, OTHER, [addr("held"), addr("absent")])
     assert statuses == [KeyStatus.MODE_MISMATCH, KeyStatus.MISS]
     assert references == [None, None] and pinned == []
-    assert staged._staging is not None and staged._staging.slots_in_use == 0
+    assert staged.staging_slots_in_use == 0
 
 
 def test_a_corrupted_value_is_a_miss_and_dropped(staged: MooncakeBackend, raw_client: MooncakeClient) -> None:
@@ -201,12 +202,12 @@ def test_a_corrupted_value_is_a_miss_and_dropped(staged: MooncakeBackend, raw_cl
 def test_no_slot_outlives_its_reservation_or_lease(staged: MooncakeBackend) -> None:
     """A writer that dies before committing (its session's reservations cancelled), a lease released
     twice, and a staging arena too small for a Get: every slot comes back, nothing half-stored."""
-    assert staged._staging is not None
+    assert staged.staging_slots_in_use is not None
     ns = "ns-" + uuid.uuid4().hex[:16]
     grants = staged.reserve(ns, MODE, [(addr("dead"), 4096)])
     assert isinstance(grants[0], SlotReference) and staged.stats().reserved_bytes == 4096
     staged.cancel([grants[0].generation])
-    assert staged._staging.slots_in_use == 0 and staged.stats().reserved_bytes == 0
+    assert staged.staging_slots_in_use == 0 and staged.stats().reserved_bytes == 0
     assert staged.lookup(ns, MODE, [addr("dead")]) == [KeyStatus.MISS]
     # Committing a cancelled reservation stores nothing.
     [late], stored = staged.commit(ns, MODE, [grants[0].generation])
@@ -216,10 +217,10 @@ def test_no_slot_outlives_its_reservation_or_lease(staged: MooncakeBackend) -> N
     statuses, _, pinned = staged.get_references(ns, MODE, [a for a, _ in big])
     # 16 MiB of staging holds two 6 MiB values at once: the others are misses, never wrong bytes.
     assert statuses.count(KeyStatus.HIT) == len(pinned) == 2
-    assert staged._staging.slots_in_use == 2
+    assert staged.staging_slots_in_use == 2
     staged.unpin(ns, pinned)
     staged.unpin(ns, pinned)
-    assert staged._staging.slots_in_use == 0
+    assert staged.staging_slots_in_use == 0
     assert read(staged, ns, MODE, [a for a, _ in big[:2]]) == [v for _, v in big[:2]]
 
 
@@ -251,7 +252,7 @@ def test_shared_memory_get_of_blocks_on_a_killed_storage_process_waits_one_trans
         started = time.monotonic()
         assert backend.get_references(ns, MODE, blocks)[0] == [KeyStatus.MISS] * 16
         assert time.monotonic() - started < 0.5
-        assert backend._staging is not None and backend._staging.slots_in_use == 0
+        assert backend.staging_slots_in_use == 0
     finally:
         backend.close()
         own.stop()

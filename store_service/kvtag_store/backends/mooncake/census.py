@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
-from kvtag_store.backends.mooncake.backend import MooncakeClient
+from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import MooncakeCode, describe
 from kvtag_store.backends.mooncake.format import FormatError, census_key, decode_record, encode_record
 

@@ -1,10 +1,11 @@
 """The mode tag last seen on each Mooncake object, so a Lookup reads no header for blocks seen before.
 
-Mooncake's TCP transport costs ~0.08-0.1 ms per object read, however small the read: a Lookup
-that read the header of each of 4,096 blocks took 310-375 ms, while vLLM's scheduler waited. Its
-existence check (`batch_is_exist`, a master call) takes ~5 ms for those 4,096 keys. So a Lookup
-asks the master which blocks exist and takes their tags from here, reading headers only for
-the blocks this service has not seen (put, looked up or read) since it started.
+Mooncake's transport pays a fixed cost per object read however small the read, so reading the
+header of every looked-up block would make a Lookup (while vLLM's scheduler waits) grow with
+its block count; one existence check (`batch_is_exist`, a single master call) answers all the
+keys at once. So a Lookup asks the master which blocks exist and takes their tags from here,
+reading headers only for the blocks this service has not seen (put, looked up or read) since
+it started (docs/mooncake.md has the measurements).
 
 A tag here can be stale: the object was removed and another replica put the same key in
 another mode, all while this service never saw it absent. Then a Lookup answers HIT for a
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvtag_store.backends import key_index
 
-# About 24-96 bytes each (the fingerprint table); past the limit the cache starts over.
+# Entries held (each a slot of the fingerprint table); past the limit the cache starts over.
 LIMIT = 1 << 20
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtag_store.backends.base import BlockBackend, CensusStore
-from kvtag_store.backends.mooncake.backend import MooncakeSettings
+from kvtag_store.backends.mooncake.client import MooncakeSettings
 from kvtag_store.config import env_name as _flag_env_name
 from kvtag_store.config import format_size
 from kvtag_store.config import parse_size as parse_size
@@ -130,8 +130,9 @@ def build(
 ) -> tuple[BlockBackend, CensusStore]:
     """Connect to the Mooncake cluster named by the flags; `shm_groups` (--shm-group) own the tenants'
     staging arena files."""
-    from kvtag_store.backends.mooncake.backend import MooncakeBackend, connect, read_master_metrics
+    from kvtag_store.backends.mooncake.backend import MooncakeBackend
     from kvtag_store.backends.mooncake.census import MooncakeCensus
+    from kvtag_store.backends.mooncake.client import connect, read_master_metrics
 
     settings = dataclasses.replace(settings_from(args), shm_groups=dict(shm_groups or {}))
     client = connect(settings)

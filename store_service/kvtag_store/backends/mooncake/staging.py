@@ -29,15 +29,12 @@ import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import BlockAddress, BlockKey
+from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import describe
 from kvtag_store.backends.mooncake.format import HEADER_BYTES
-
-if TYPE_CHECKING:
-    from kvtag_store.backends.mooncake.backend import MooncakeClient
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,97 @@
+"""The Mooncake cluster as the backend's read, write and shared-memory paths all see it.
+
+`Cluster` bundles what they share (the client, the header reader, the mode cache, the breaker,
+suspect processes and counters) with the two calls every path makes: which objects exist, and
+dropping a value that failed verification.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+from kvtag_store.backends.base import BackendUnavailable
+from kvtag_store.backends.mooncake.client import MooncakeClient, MooncakeSettings
+from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
+from kvtag_store.backends.mooncake.format import HEADER_BYTES
+from kvtag_store.backends.mooncake.health import MasterBreaker, SuspectProcesses
+from kvtag_store.backends.mooncake.mode_cache import ModeCache
+
+# Header reads per get_into_ranges call; the registered arena holds this many headers.
+HEADER_SLOTS = 1024
+
+
+class HeaderReader:
+    """Reads only the headers of many objects into one registered arena (get_into_ranges)."""
+
+    def __init__(self, client: MooncakeClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._arena = ctypes.create_string_buffer(HEADER_BYTES * HEADER_SLOTS)
+        self._ptr = ctypes.addressof(self._arena)
+        rc = client.register_buffer(self._ptr, HEADER_BYTES * HEADER_SLOTS)
+        if rc != 0:
+            raise BackendUnavailable(f"cannot register the header buffer with Mooncake: {describe(rc)}")
+
+    def read(self, keys: Sequence[str]) -> list[bytes | int]:
+        """Per key: the header bytes, or a negative Mooncake code (-704 missing, -600 too short...)."""
+        out: list[bytes | int] = []
+        for start in range(0, len(keys), HEADER_SLOTS):
+            chunk = list(keys[start : start + HEADER_SLOTS])
+            n = len(chunk)
+            with self._lock:
+                codes = self._client.get_into_ranges(
+                    [self._ptr],
+                    [chunk],
+                    [[[i * HEADER_BYTES] for i in range(n)]],
+                    [[[0]] * n],
+                    [[[HEADER_BYTES]] * n],
+                )[0]
+                raw = ctypes.string_at(self._ptr, n * HEADER_BYTES)
+            for i, per_range in enumerate(codes):
+                code = per_range[0]
+                out.append(raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] if code >= 0 else code)
+        return out
+
+    def close(self) -> None:
+        self._client.unregister_buffer(self._ptr)
+
+
+class Cluster:
+    """The client and what every path of the backend shares over it."""
+
+    def __init__(self, client: MooncakeClient, settings: MooncakeSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.errors = ErrorCounters()
+        self.breaker = MasterBreaker(settings.master, self.errors)
+        self.suspects = SuspectProcesses()
+        self.headers = HeaderReader(client)
+        self.tags = ModeCache()
+        self._count_lock = threading.Lock()
+        self._corrupted = 0
+
+    @property
+    def max_value_bytes(self) -> int:
+        # put_parts and get_batch stage values in the local buffer; leave room for concurrent calls.
+        return self.settings.local_buffer_bytes // 4 - HEADER_BYTES
+
+    @property
+    def corrupted(self) -> int:
+        """Values this replica dropped because they failed verification."""
+        with self._count_lock:
+            return self._corrupted
+
+    def exists(self, mkeys: list[str], what: str) -> list[int]:
+        """batch_is_exist's code per key (1 present); UNAVAILABLE when the master did not answer."""
+        exists = self.client.batch_is_exist(mkeys)
+        self.breaker.screen(exists, what, master_down=(MooncakeCode.RPC_FAIL, -1))
+        return exists
+
+    def drop_corrupt(self, keys: Sequence[str]) -> None:
+        """Remove values that fail verification so a correct put can take their place."""
+        with self._count_lock:
+            self._corrupted += len(keys)
+        self.tags.forget(keys)
+        self.client.batch_remove(list(keys), True)

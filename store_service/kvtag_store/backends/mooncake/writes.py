@@ -1,0 +1,290 @@
+"""The Mooncake backend's puts: inline values (one or a batch) and values staged in shared memory.
+
+Mooncake's put keeps an existing value and still returns 0, so every put path reads the stored
+header back and `Writes._judge` alone says what happened: only our own writer nonce proves a
+store happened.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtag_store.backends.base import BackendUnavailable, BlockAddress, Payload, PutOutcome, PutResult
+from kvtag_store.backends.mooncake.client import read_master_metrics
+from kvtag_store.backends.mooncake.cluster import Cluster
+from kvtag_store.backends.mooncake.errors import MooncakeCode, describe
+from kvtag_store.backends.mooncake.format import (
+    HEADER_BYTES,
+    FormatError,
+    decode_header,
+    encode_header,
+    object_key,
+)
+from kvtag_store.backends.mooncake.staging import Staged
+
+# Put codes after which the stored header, not the code, says what happened.
+PUT_ACCEPTED = (MooncakeCode.OK, MooncakeCode.OBJECT_ALREADY_EXISTS)
+# Read-back codes of a value another writer is still putting (it is not readable yet).
+_IN_FLIGHT = (MooncakeCode.OBJECT_NOT_FOUND, MooncakeCode.OBJECT_ALREADY_EXISTS)
+# A put that returned 0 but whose header is not readable yet may be another writer's in-flight put.
+_VERIFY_ATTEMPTS = 5
+_VERIFY_BACKOFF_S = 0.02
+_NO_OUTCOME = PutResult(PutOutcome.REJECTED, "internal: no outcome")
+
+
+class Undecided(enum.Enum):
+    """A read-back that proves nothing yet; only the single-value path can settle it."""
+
+    IN_FLIGHT = "another writer's put of the key is still in flight: read it back again"
+    DROPPED = "the key held a corrupt value, now dropped: put again"
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """One value a put call sent: where, under which writer nonce, and what the call returned."""
+
+    address: BlockAddress
+    mkey: str
+    nonce: bytes
+    code: int
+
+
+class Writes:
+    """Puts into the cluster, each judged by the header it left."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._client = cluster.client
+        self._capacity_seen: tuple[float, int | None] = (float("-inf"), None)
+
+    def too_large(self, length: int) -> PutResult | None:
+        """The refusal of a value larger than a put can stage, None if it fits."""
+        limit = self._cluster.max_value_bytes
+        if length <= limit:
+            return None
+        return PutResult(
+            PutOutcome.REJECTED,
+            f"value of {length} bytes exceeds the Mooncake backend limit of {limit} "
+            "bytes (a quarter of --mooncake-local-buffer); raise the local buffer",
+        )
+
+    def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: Payload) -> PutResult:
+        refused = self.too_large(len(value))
+        if refused is not None:
+            return refused
+        self._cluster.breaker.check("storing")
+        group, key = address
+        mkey = object_key(namespace_id, group, key)
+        nonce = os.urandom(8)
+        try:
+            header = encode_header(namespace_id, mode_id, group, key, value, nonce)
+        except ValueError as exc:
+            return PutResult(PutOutcome.REJECTED, str(exc))
+        for _attempt in range(2):
+            rc = self._client.put_parts(mkey, header, value)
+            if rc == MooncakeCode.BUFFER_OVERFLOW:
+                # The local buffer is busy with concurrent transfers: one short retry.
+                time.sleep(_VERIFY_BACKOFF_S)
+                rc = self._client.put_parts(mkey, header, value)
+            self._cluster.breaker.screen([rc], "storing a block", counted_unless=PUT_ACCEPTED)
+            if rc not in PUT_ACCEPTED:
+                return PutResult(PutOutcome.REJECTED, self._put_failure(rc))
+            verdict = self._confirm(namespace_id, mode_id, _Sent(address, mkey, nonce, rc))
+            if verdict is not Undecided.DROPPED:
+                return verdict
+        return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
+
+    def _confirm(
+        self, namespace_id: str, mode_id: str, sent: _Sent
+    ) -> PutResult | Literal[Undecided.DROPPED]:
+        """What one put really did, read back until another writer's in-flight put has landed."""
+        for attempt in range(_VERIFY_ATTEMPTS):
+            [verdict] = self._judge(namespace_id, mode_id, [sent])
+            if verdict is not Undecided.IN_FLIGHT:
+                return verdict
+            time.sleep(_VERIFY_BACKOFF_S * (attempt + 1))
+        self._cluster.errors.add(MooncakeCode.OBJECT_NOT_FOUND)
+        return PutResult(
+            PutOutcome.REJECTED,
+            "Mooncake accepted the put but the value was not readable afterwards "
+            "(a concurrent writer or an immediate eviction); not counted as stored",
+        )
+
+    def put_many(
+        self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
+    ) -> list[PutResult]:
+        """`put` for a batch: one Mooncake put_batch and one header read-back per chunk instead of a
+        round trip pair per item. Per-item truth still comes from each item's stored header."""
+        self._cluster.breaker.check("storing")
+        results: list[PutResult | None] = [None] * len(items)
+        budget = self._cluster.settings.local_buffer_bytes // 4
+        chunk: list[int] = []
+        chunk_keys: set[str] = set()
+        chunk_bytes = 0
+        single: list[int] = []
+        for index, (address, value) in enumerate(items):
+            mkey = object_key(namespace_id, *address)
+            if len(value) > self._cluster.max_value_bytes or mkey in chunk_keys:
+                single.append(index)  # refused by put with its reason / a duplicate judged after
+                continue
+            if chunk and chunk_bytes + len(value) + HEADER_BYTES > budget:
+                self._put_chunk(namespace_id, mode_id, items, chunk, results, single)
+                chunk, chunk_keys, chunk_bytes = [], set(), 0
+            chunk.append(index)
+            chunk_keys.add(mkey)
+            chunk_bytes += len(value) + HEADER_BYTES
+        if chunk:
+            self._put_chunk(namespace_id, mode_id, items, chunk, results, single)
+        for index in single:
+            results[index] = self.put(namespace_id, mode_id, *items[index])
+        return [r if r is not None else _NO_OUTCOME for r in results]
+
+    def _put_chunk(
+        self,
+        namespace_id: str,
+        mode_id: str,
+        items: Sequence[tuple[BlockAddress, Payload]],
+        chunk: list[int],
+        results: list[PutResult | None],
+        single: list[int],
+    ) -> None:
+        """One put_batch; items it cannot settle are left to `single`."""
+        mkeys: list[str] = []
+        nonces: list[bytes] = []
+        blobs: list[bytes] = []
+        for index in chunk:
+            (group, key), value = items[index]
+            nonce = os.urandom(8)
+            try:
+                header = encode_header(namespace_id, mode_id, group, key, value, nonce)
+            except ValueError as exc:
+                results[index] = PutResult(PutOutcome.REJECTED, str(exc))
+                continue
+            mkeys.append(object_key(namespace_id, group, key))
+            nonces.append(nonce)
+            blobs.append(header + value)
+        chunk = [i for i in chunk if results[i] is None]
+        if not chunk:
+            return
+        rc = self._client.put_batch(mkeys, blobs)
+        self._cluster.breaker.screen([rc], "storing blocks", counted_unless=PUT_ACCEPTED)
+        sent = [
+            _Sent(items[index][0], mkey, nonce, rc)
+            for index, mkey, nonce in zip(chunk, mkeys, nonces, strict=True)
+        ]
+        for index, verdict in zip(chunk, self._judge(namespace_id, mode_id, sent), strict=True):
+            if isinstance(verdict, Undecided):
+                single.append(index)
+            else:
+                results[index] = verdict
+
+    def put_staged(
+        self, namespace_id: str, mode_id: str, entries: Sequence[tuple[BlockAddress, Staged]]
+    ) -> list[PutResult]:
+        """Put values written into staging slots: each slot gets its header in place and the cluster
+        takes the object straight from the arena (one batch_put_from_multi_buffers)."""
+        self._cluster.breaker.check("storing")
+        results: list[PutResult | None] = [None] * len(entries)
+        taken: list[int] = []
+        sent: list[_Sent] = []
+        pointers: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for n, ((group, key), staged) in enumerate(entries):
+            nonce = os.urandom(8)
+            try:
+                header = encode_header(namespace_id, mode_id, group, key, staged.payload(), nonce)
+            except ValueError as exc:
+                results[n] = PutResult(PutOutcome.REJECTED, str(exc))
+                continue
+            staged.header()[:] = header
+            ptrs, lengths = staged.buffers()
+            taken.append(n)
+            sent.append(_Sent((group, key), object_key(namespace_id, group, key), nonce, 0))
+            pointers.append(ptrs)
+            sizes.append(lengths)
+        if taken:
+            codes = self._client.batch_put_from_multi_buffers([s.mkey for s in sent], pointers, sizes)
+            self._cluster.breaker.screen(codes, "storing blocks", counted_unless=PUT_ACCEPTED)
+            sent = [_Sent(s.address, s.mkey, s.nonce, code) for s, code in zip(sent, codes, strict=True)]
+            for n, verdict in zip(taken, self._judge(namespace_id, mode_id, sent), strict=True):
+                # Undecided: only the single path can tell (it waits for an in-flight writer), from a copy.
+                if isinstance(verdict, Undecided):
+                    address, staged = entries[n]
+                    verdict = self.put(namespace_id, mode_id, address, bytes(staged.payload()))
+                results[n] = verdict
+        return [r if r is not None else _NO_OUTCOME for r in results]
+
+    def _judge(self, namespace_id: str, mode_id: str, sent: Sequence[_Sent]) -> list[PutResult | Undecided]:
+        """Each sent value's outcome from its stored header, read back for all at once: the one place
+        a put is judged. A header with our nonce is STORED, another writer's ALREADY_PRESENT (or
+        CONFLICT in another mode); a corrupt one is dropped."""
+        out: list[PutResult | Undecided] = []
+        seen: dict[str, str] = {}
+        found = self._cluster.headers.read([s.mkey for s in sent])
+        for item, header in zip(sent, found, strict=True):
+            if isinstance(header, bytes):
+                try:
+                    stored = decode_header(header, namespace_id, *item.address)
+                except FormatError:
+                    self._cluster.drop_corrupt([item.mkey])
+                    out.append(Undecided.DROPPED)
+                    continue
+                seen[item.mkey] = stored.mode_id
+                if stored.nonce == item.nonce:
+                    out.append(PutResult(PutOutcome.STORED))
+                elif stored.mode_id != mode_id:
+                    out.append(PutResult(PutOutcome.CONFLICT, f"key is held by mode {stored.mode_id}"))
+                else:
+                    out.append(PutResult(PutOutcome.ALREADY_PRESENT))
+                continue
+            self._cluster.breaker.screen([header], "confirming a store")
+            if item.code not in PUT_ACCEPTED:
+                out.append(PutResult(PutOutcome.REJECTED, self._put_failure(item.code)))
+            elif header in _IN_FLIGHT:
+                out.append(Undecided.IN_FLIGHT)
+            else:
+                self._cluster.errors.add(header)
+                out.append(
+                    PutResult(
+                        PutOutcome.REJECTED,
+                        f"the store could not be confirmed: {describe(header)} on read-back",
+                    )
+                )
+        self._cluster.tags.learn(list(seen), list(seen.values()))
+        return out
+
+    def _put_failure(self, code: int) -> str:
+        if code == MooncakeCode.NO_AVAILABLE_HANDLE:
+            if self._mounted_bytes() == 0:
+                return (
+                    "no Mooncake storage segment is mounted (NO_AVAILABLE_HANDLE -200, cluster capacity "
+                    "0 bytes); start a storage node (mooncake_client --global_segment_size=...) or give "
+                    "a kvtag replica --mooncake-segment-size"
+                )
+            return (
+                "Mooncake cluster full (NO_AVAILABLE_HANDLE -200): eviction has not freed room yet or "
+                "everything is leased; retry later or add storage segments"
+            )
+        if code == MooncakeCode.TRANSFER_FAIL:
+            return "transfer to the Mooncake storage process failed (TRANSFER_FAIL -800); not stored"
+        if code == MooncakeCode.BUFFER_OVERFLOW:
+            return "the Mooncake local buffer is busy (-600); retry or raise --mooncake-local-buffer"
+        return f"Mooncake refused the put: {describe(code)}"
+
+    def _mounted_bytes(self) -> int | None:
+        """The cluster's mounted capacity from the master's metrics (None if they cannot be read),
+        read at most once a second: a batch of refused puts asks once."""
+        at, capacity = self._capacity_seen
+        if time.monotonic() - at > 1.0:
+            try:
+                metrics = read_master_metrics(self._cluster.settings.metrics)
+                capacity = int(metrics.get("master_total_capacity_bytes", -1))
+            except BackendUnavailable:
+                capacity = None
+            self._capacity_seen = (time.monotonic(), capacity)
+        return capacity
