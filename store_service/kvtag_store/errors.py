@@ -27,10 +27,6 @@ class ApiError(Exception):
     def status(self) -> grpc.Status:
         return build_status(self.code, self.reason, self.message, **self.details)
 
-    def with_put_results(self, results: pb.PutResponse) -> grpc.Status:
-        """The status of a PutStream that failed part way, carrying the results handled before."""
-        return build_status(self.code, self.reason, self.message, **self.details, put_results=results)
-
 
 def _error(
     code: grpc.StatusCode,

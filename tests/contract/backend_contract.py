@@ -1,5 +1,11 @@
 """The contract every BlockBackend + CensusStore pair fulfils, as a reusable test class.
 
+Beyond BlockBackend, each capability a backend offers (backends.base.Capabilities:
+TenantAware, AtomicLookup, PackedLookup, ViewReads, SharedMemoryBackend) is tested
+through its Protocol; a test of a capability the backend does not offer is skipped.
+The shared-memory tests also skip when the backend has no arena for the namespace
+(it keeps or stages values in anonymous memory).
+
 How to run it against a backend: subclass it in a test module and provide a
 `backend` fixture that returns (BlockBackend, CensusStore). Nothing else is
 needed; every test uses fresh namespace ids, so one long-lived backend (e.g.
@@ -20,17 +26,25 @@ Optional hooks a subclass may override:
 
 from __future__ import annotations
 
+import mmap
 import uuid
+from typing import TypeVar
 
 import pytest
 from kvtag_store.backends.base import (
+    NO_RESERVATION,
     BlockAddress,
     BlockBackend,
     BlockKey,
+    Capabilities,
     CensusStore,
     KeyStatus,
     ProbeRecord,
     PutOutcome,
+    PutResult,
+    SharedArena,
+    SharedMemoryBackend,
+    SlotReference,
 )
 
 Pair = tuple[BlockBackend, CensusStore]
@@ -41,6 +55,42 @@ MODE_B = "m-bbbbbbbbbbbbbbbb"
 
 def addr(name: str, group: int = 0) -> BlockAddress:
     return (group, BlockKey(name.encode()))
+
+
+C = TypeVar("C")
+
+
+def offered(capability: C | None, name: str) -> C:
+    """The capability, or skip the test: the backend does not offer it."""
+    if capability is None:
+        pytest.skip(f"this backend does not offer {name}")
+    return capability
+
+
+def shared_arena(store: SharedMemoryBackend, namespace_id: str) -> SharedArena:
+    arena = store.shared_arena(namespace_id)
+    if arena is None or not arena.path:
+        pytest.skip("this backend keeps no shared-memory arena a client could map for the namespace")
+    return arena
+
+
+class Mapping:
+    """A same-host client's view of an arena: the file mapped, as the client library maps it."""
+
+    def __init__(self, arena: SharedArena) -> None:
+        assert arena.path is not None
+        with open(arena.path, "r+b") as file:
+            self._map = mmap.mmap(file.fileno(), arena.size)
+
+    def write(self, slot: SlotReference, value: bytes) -> None:
+        assert len(value) == slot.length
+        self._map[slot.offset : slot.offset + len(value)] = value
+
+    def read(self, slot: SlotReference) -> bytes:
+        return self._map[slot.offset : slot.offset + slot.length]
+
+    def close(self) -> None:
+        self._map.close()
 
 
 class BackendContract:
@@ -198,6 +248,111 @@ class BackendContract:
         assert result.status is KeyStatus.MISS
         assert result.value is None
         assert store.stats().corrupted_dropped == before + 1
+        assert store.lookup(ns, MODE_A, [addr("k")]) == [KeyStatus.MISS]
+
+    # -- capabilities, each through its Protocol -----------------------------
+
+    def test_tenant_assignment_keeps_the_namespaces_blocks_readable(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        tenants = offered(Capabilities.of(store).tenants, "TenantAware")
+        store.put(ns, MODE_A, addr("before"), b"stored before the tenant was known")
+        tenants.assign_tenant(ns, "tenant-contract")
+        assert store.put(ns, MODE_A, addr("after"), b"stored after").outcome is PutOutcome.STORED
+        read = store.get(ns, MODE_A, [addr("before"), addr("after")])
+        assert [r.value for r in read] == [b"stored before the tenant was known", b"stored after"]
+        tenants.assign_tenant(ns, "tenant-contract")  # again: harmless
+        assert store.lookup(ns, MODE_A, [addr("before"), addr("after")]) == [KeyStatus.HIT] * 2
+
+    def test_atomic_lookup_answers_like_lookup_and_pins_exactly_the_hits(
+        self, backend: Pair, ns: str
+    ) -> None:
+        store, _ = backend
+        atomic = offered(Capabilities.of(store).atomic_lookup, "AtomicLookup")
+        store.put(ns, MODE_A, addr("a"), b"1")
+        store.put(ns, MODE_B, addr("b"), b"2")
+        store.put(ns, MODE_A, addr("c"), b"3")
+        asked = [addr("a"), addr("missing"), addr("b"), addr("c")]
+        statuses, pinned = atomic.lookup_and_pin(ns, MODE_A, asked)
+        try:
+            assert statuses == store.lookup(ns, MODE_A, asked)
+            assert sorted(pinned) == sorted([addr("a"), addr("c")])
+        finally:
+            store.unpin(ns, pinned)
+        assert atomic.lookup_and_pin(ns, MODE_A, [addr("missing")]) == ([KeyStatus.MISS], [])
+
+    def test_packed_lookup_answers_a_status_byte_per_key_like_lookup(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        packed = offered(Capabilities.of(store).packed_lookup, "PackedLookup")
+        for name, group, mode in (("k1", 0, MODE_A), ("k3", 0, MODE_B), ("k2", 1, MODE_A)):
+            store.put(ns, mode, addr(name, group), name.encode())
+        runs = [(0, b"k1k2k3", 2), (1, b"k2k9", 2)]
+        asked = [addr("k1"), addr("k2"), addr("k3"), addr("k2", 1), addr("k9", 1)]
+        statuses, pinned = packed.lookup_packed_and_pin(ns, MODE_A, runs)
+        try:
+            assert statuses == bytes(store.lookup(ns, MODE_A, asked))
+            assert statuses == bytes([KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH]) + bytes(
+                [KeyStatus.HIT, KeyStatus.MISS]
+            )
+            assert pinned is not None and len(pinned) == 2
+        finally:
+            if pinned is not None:
+                store.unpin(ns, pinned)
+        nothing = packed.lookup_packed_and_pin(ns, MODE_A, [(0, b"zzyy", 2)])
+        assert nothing[0] == bytes([KeyStatus.MISS]) * 2 and not nothing[1]
+
+    def test_view_reads_hold_the_same_bytes_as_copies_until_unpinned(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        views = offered(Capabilities.of(store).views, "ViewReads")
+        value = bytes(range(256)) * 16
+        store.put(ns, MODE_A, addr("k"), value)
+        store.put(ns, MODE_B, addr("other"), b"another mode")
+        asked = [addr("k"), addr("missing"), addr("other")]
+        results, pinned = views.get_views(ns, MODE_A, asked)
+        try:
+            assert [r.status for r in results] == [KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH]
+            assert results[0].value is not None and bytes(results[0].value) == value
+            assert [r.value for r in results[1:]] == [None, None]
+            assert pinned == [addr("k")]
+        finally:
+            store.unpin(ns, pinned)
+        assert [r.value for r in store.get(ns, MODE_A, asked)] == [value, None, None]
+
+    def test_a_slot_written_and_committed_reads_back_by_reference(self, backend: Pair, ns: str) -> None:
+        store, _ = backend
+        shared = offered(Capabilities.of(store).shared_memory, "SharedMemoryBackend")
+        mapping = Mapping(shared_arena(shared, ns))
+        try:
+            value = bytes(range(200)) * 20
+            [slot] = shared.reserve(ns, MODE_A, [(addr("k"), len(value))])
+            assert isinstance(slot, SlotReference), slot
+            mapping.write(slot, value)
+            results, stored = shared.commit(ns, MODE_A, [slot.generation])
+            assert [r.outcome for r in results] == [PutOutcome.STORED] and stored == len(value)
+            [again] = shared.reserve(ns, MODE_A, [(addr("k"), len(value))])
+            assert isinstance(again, PutResult) and again.outcome is PutOutcome.ALREADY_PRESENT, again
+            statuses, found, pinned = shared.get_references(ns, MODE_A, [addr("k"), addr("missing")])
+            try:
+                assert statuses == [KeyStatus.HIT, KeyStatus.MISS]
+                assert found[0] is not None and found[1] is None
+                assert mapping.read(found[0]) == value
+            finally:
+                store.unpin(ns, pinned)
+            [read] = store.get(ns, MODE_A, [addr("k")])
+            assert read.value == value
+        finally:
+            mapping.close()
+
+    def test_a_cancelled_or_unknown_reservation_commits_to_no_such_reservation(
+        self, backend: Pair, ns: str
+    ) -> None:
+        store, _ = backend
+        shared = offered(Capabilities.of(store).shared_memory, "SharedMemoryBackend")
+        shared_arena(shared, ns)
+        [slot] = shared.reserve(ns, MODE_A, [(addr("k"), 64)])
+        assert isinstance(slot, SlotReference), slot
+        shared.cancel([slot.generation])
+        results, stored = shared.commit(ns, MODE_A, [slot.generation, slot.generation + 10_000])
+        assert results == [NO_RESERVATION, NO_RESERVATION] and stored == 0
         assert store.lookup(ns, MODE_A, [addr("k")]) == [KeyStatus.MISS]
 
     # -- census -------------------------------------------------------------

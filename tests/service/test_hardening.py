@@ -8,7 +8,6 @@ import logging
 import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
-from kvtag_store.api import servicer as service_module
 
 from .conftest import ServerFactory
 from .helpers import Store, error_of
@@ -64,7 +63,6 @@ def test_malformed_streams_are_refused_the_same_way(store: Store) -> None:
 def test_rejections_log_one_rate_limited_warning_line_and_no_traceback(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    service_module.rejections._next.clear()
     with caplog.at_level(logging.INFO, logger="kvtag_store"):
         for _ in range(50):
             error_of(lambda: raw_unary(store, "Lookup")(TRUNCATED, timeout=5))

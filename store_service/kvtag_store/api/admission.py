@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from kvtag_store import errors
 
 # Cost of one parsed batch item (a key bytes object, its address tuple and list slot, a result
-# message): measured ~140 bytes per 2-byte Lookup key on CPython 3.11, rounded up.
+# message): a bound above the measured cost, so a charge never falls short of what is held.
 ITEM_COST = 256
 # Every message is held twice while it is handled: the received bytes and what is cut out of them
 # (values, keys), or the encoded reply and the values it was built from.

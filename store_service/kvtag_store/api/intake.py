@@ -2,7 +2,7 @@
 
 Every KvStore method is registered with no request deserializer, so gRPC hands
 the handler the raw bytes and nothing can fail inside gRPC (a deserializer that
-raises leaves a stream that gRPC 1.85 never finishes, and its shutdown hangs on
+raises can leave a stream gRPC never finishes, and its shutdown then hangs on
 it). The handler then, in order: counts the batch without building it
 (BATCH_TOO_LARGE), charges the admission limit (SERVER_BUSY), and parses
 (MALFORMED_REQUEST); only a request that passed all three costs memory.
@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError, Message
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.api import codec
+from kvtag_store.api import codec, framing
 from kvtag_store.api.admission import Admission, request_cost
 
 # A Lookup block in the common shape is at least 5 wire bytes (0x12 len 0x0a len key).
@@ -34,7 +34,7 @@ class Intake:
     batch_field: str
     # (data, max_items) -> an upper bound of the batch items, without building them.
     count: Callable[[bytes, int], int]
-    # (data, max_items) -> the request; raises codec.TooManyItems before building past max_items.
+    # (data, max_items) -> the request; raises framing.TooManyItems before building past max_items.
     parse: Callable[[bytes, int], Any]
 
 
@@ -65,13 +65,15 @@ CLOSE_SESSION = _control("CloseSessionRequest")
 DIAGNOSE = _control("DiagnoseRequest")
 GET_STATS = _control("GetStatsRequest")
 LOOKUP = Intake("LookupRequest", "blocks", _lookup_estimate, codec.parse_lookup)
-PUT = Intake("PutRequest", "items", codec.count_items, codec.parse_put)
-GET = Intake("GetRequest", "blocks", codec.count_items, _generated(pb.GetRequest))
+PUT = Intake("PutRequest", "items", framing.count_items, codec.parse_put)
+GET = Intake("GetRequest", "blocks", framing.count_items, _generated(pb.GetRequest))
 ATTACH_SHARED_MEMORY = _control("AttachSharedMemoryRequest")
 COMMIT_SLOTS = Intake("CommitSlotsRequest", "generations", _no_batch, _generated(pb.CommitSlotsRequest))
-RESERVE_SLOTS = Intake("ReserveSlotsRequest", "items", codec.count_items, _generated(pb.ReserveSlotsRequest))
+RESERVE_SLOTS = Intake(
+    "ReserveSlotsRequest", "items", framing.count_items, _generated(pb.ReserveSlotsRequest)
+)
 RELEASE_LEASES = Intake(
-    "ReleaseLeasesRequest", "lease_ids", codec.count_items, _generated(pb.ReleaseLeasesRequest)
+    "ReleaseLeasesRequest", "lease_ids", framing.count_items, _generated(pb.ReleaseLeasesRequest)
 )
 
 
@@ -80,9 +82,9 @@ def admitted(intake: Intake, data: bytes, max_items: int, admission: Admission) 
     """The parsed request, with its cost held against the admission limit for the block."""
     try:
         items = intake.count(data, max_items)
-    except codec.TooManyItems as exc:
+    except framing.TooManyItems as exc:
         raise errors.batch_too_large(intake.batch_field, exc.count, max_items) from None
-    except codec.Malformed as exc:
+    except framing.Malformed as exc:
         raise errors.malformed_request(intake.type_name, str(exc)) from None
     with admission.hold(request_cost(len(data), items)):
         yield parse(intake, data, max_items)
@@ -91,7 +93,7 @@ def admitted(intake: Intake, data: bytes, max_items: int, admission: Admission) 
 def parse(intake: Intake, data: bytes, max_items: int) -> Any:
     try:
         return intake.parse(data, max_items)
-    except codec.TooManyItems as exc:
+    except framing.TooManyItems as exc:
         raise errors.batch_too_large(intake.batch_field, exc.count, max_items) from None
-    except (DecodeError, codec.Malformed) as exc:
+    except (DecodeError, framing.Malformed) as exc:
         raise errors.malformed_request(intake.type_name, str(exc) or "not a protobuf message") from None

@@ -1,9 +1,12 @@
-"""The small contract every storage backend fulfils, and the census records replicas share.
+"""The small contract every storage backend fulfils, the capabilities some add, and the census
+records replicas share.
 
 The service layer (sessions, policy, leases, counters) sits above this; a
-backend only stores tagged values and answers for them. The same contract
-tests (tests/contract/backend_contract.py, subclassed once per backend)
-run against every backend.
+backend only stores tagged values and answers for them. What a backend offers
+beyond BlockBackend is declared as capability Protocols and found by one check,
+`Capabilities.of`: the API layer asks it, never the backend's class. The same
+contract tests (tests/contract/backend_contract.py, subclassed once per
+backend) run against every backend, through these Protocols.
 """
 
 from __future__ import annotations
@@ -11,10 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, NewType, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from kvtag_store.backends.arena import Arena
+from typing import NamedTuple, NewType, Protocol, runtime_checkable
 
 # A block's key bytes in its mode. Raw bytes, not a tuple or object: lookups of
 # thousands of keys stay cheap.
@@ -58,6 +58,14 @@ class PutOutcome(enum.IntEnum):
 class PutResult:
     outcome: PutOutcome
     reason: str = ""
+
+
+# The answer to a commit or cancel naming a slot generation this session does not hold.
+NO_RESERVATION = PutResult(
+    PutOutcome.REJECTED,
+    "no such reservation: the slot was not reserved by this session for this block, was already "
+    "committed, or its session expired; reserve again (ReserveSlots)",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +144,67 @@ class BlockBackend(Protocol):
     def close(self) -> None: ...
 
 
+# -- capabilities: what a backend may offer beyond BlockBackend ---------------
+
+
+@runtime_checkable
+class TenantAware(Protocol):
+    """Keeps each tenant's blocks apart (its pool, quota or arena), so it is told a namespace's tenant
+    when a session opens, before any put."""
+
+    def assign_tenant(self, namespace_id: str, tenant: str) -> None: ...
+
+
+@runtime_checkable
+class AtomicLookup(Protocol):
+    """Looks up and pins the hits in one step, leaving no window for an eviction between the two."""
+
+    def lookup_and_pin(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[KeyStatus], Sequence[BlockAddress]]:
+        """The statuses and exactly what was pinned (the lease unpins it later)."""
+        ...
+
+
+@runtime_checkable
+class PackedLookup(Protocol):
+    """Answers a lookup on packed key bytes, building no object per key."""
+
+    def lookup_packed_and_pin(
+        self, namespace_id: str, mode_id: str, runs: Sequence[tuple[int, bytes, int]]
+    ) -> tuple[bytes, Sequence[BlockAddress] | None]:
+        """Runs of (group, concatenated keys, key length) -> a status byte per key, and the pinned hits
+        (None: nothing pinned), to be unpinned whole."""
+        ...
+
+
+@runtime_checkable
+class ViewReads(Protocol):
+    """Reads values as views of their stored bytes rather than copies."""
+
+    def get_views(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> tuple[list[ReadResult], list[BlockAddress]]:
+        """get() without the copy: each verified hit is a view, pinned (the returned addresses) until the
+        caller unpins it."""
+        ...
+
+
+class SharedArena(Protocol):
+    """The part of a shared-memory arena a same-host client is told about to map it."""
+
+    segment: str
+    path: str | None
+    size: int
+    nonce: bytes
+
+
 @runtime_checkable
 class SharedMemoryBackend(Protocol):
     """A backend whose values pass through arena slots same-host clients map (the shared-memory
     path): the memory backend keeps them there, the Mooncake backend stages them there."""
 
-    def shared_arena(self, namespace_id: str) -> Arena | None: ...
+    def shared_arena(self, namespace_id: str) -> SharedArena | None: ...
 
     def reserve(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
@@ -165,6 +228,28 @@ class SharedMemoryBackend(Protocol):
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What one backend offers beyond BlockBackend, each the backend itself or None. `of` is the one
+    place a capability is checked (runtime-checkable Protocols: the methods are present)."""
+
+    tenants: TenantAware | None
+    atomic_lookup: AtomicLookup | None
+    packed_lookup: PackedLookup | None
+    views: ViewReads | None
+    shared_memory: SharedMemoryBackend | None
+
+    @classmethod
+    def of(cls, backend: object) -> Capabilities:
+        return cls(
+            tenants=backend if isinstance(backend, TenantAware) else None,
+            atomic_lookup=backend if isinstance(backend, AtomicLookup) else None,
+            packed_lookup=backend if isinstance(backend, PackedLookup) else None,
+            views=backend if isinstance(backend, ViewReads) else None,
+            shared_memory=backend if isinstance(backend, SharedMemoryBackend) else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
