@@ -11,8 +11,7 @@ import enum
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvtag_store.backends.base import BackendUnavailable, BlockAddress, Payload, PutOutcome, PutResult
 from kvtag_store.backends.mooncake.client import read_master_metrics
@@ -44,14 +43,14 @@ class Undecided(enum.Enum):
     DROPPED = "the key held a corrupt value, now dropped: put again"
 
 
-@dataclass(frozen=True, slots=True)
-class _Sent:
-    """One value a put call sent: where, under which writer nonce, and what the call returned."""
+class _Sent(NamedTuple):
+    """The values one put call sent, as parallel lists (no object per value): where, under which
+    writer nonce, and the code the call returned for each."""
 
-    address: BlockAddress
-    mkey: str
-    nonce: bytes
-    code: int
+    addresses: Sequence[BlockAddress]
+    mkeys: list[str]
+    nonces: list[bytes]
+    codes: Sequence[int]
 
 
 class Writes:
@@ -94,7 +93,7 @@ class Writes:
             self._cluster.breaker.screen([rc], "storing a block", counted_unless=PUT_ACCEPTED)
             if rc not in PUT_ACCEPTED:
                 return PutResult(PutOutcome.REJECTED, self._put_failure(rc))
-            verdict = self._confirm(namespace_id, mode_id, _Sent(address, mkey, nonce, rc))
+            verdict = self._confirm(namespace_id, mode_id, _Sent([address], [mkey], [nonce], [rc]))
             if verdict is not Undecided.DROPPED:
                 return verdict
         return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
@@ -104,7 +103,7 @@ class Writes:
     ) -> PutResult | Literal[Undecided.DROPPED]:
         """What one put really did, read back until another writer's in-flight put has landed."""
         for attempt in range(_VERIFY_ATTEMPTS):
-            [verdict] = self._judge(namespace_id, mode_id, [sent])
+            [verdict] = self._judge(namespace_id, mode_id, sent)
             if verdict is not Undecided.IN_FLIGHT:
                 return verdict
             time.sleep(_VERIFY_BACKOFF_S * (attempt + 1))
@@ -173,10 +172,7 @@ class Writes:
             return
         rc = self._client.put_batch(mkeys, blobs)
         self._cluster.breaker.screen([rc], "storing blocks", counted_unless=PUT_ACCEPTED)
-        sent = [
-            _Sent(items[index][0], mkey, nonce, rc)
-            for index, mkey, nonce in zip(chunk, mkeys, nonces, strict=True)
-        ]
+        sent = _Sent([items[index][0] for index in chunk], mkeys, nonces, [rc] * len(chunk))
         for index, verdict in zip(chunk, self._judge(namespace_id, mode_id, sent), strict=True):
             if isinstance(verdict, Undecided):
                 single.append(index)
@@ -191,7 +187,9 @@ class Writes:
         self._cluster.breaker.check("storing")
         results: list[PutResult | None] = [None] * len(entries)
         taken: list[int] = []
-        sent: list[_Sent] = []
+        addresses: list[BlockAddress] = []
+        mkeys: list[str] = []
+        nonces: list[bytes] = []
         pointers: list[list[int]] = []
         sizes: list[list[int]] = []
         for n, ((group, key), staged) in enumerate(entries):
@@ -204,13 +202,15 @@ class Writes:
             staged.header()[:] = header
             ptrs, lengths = staged.buffers()
             taken.append(n)
-            sent.append(_Sent((group, key), object_key(namespace_id, group, key), nonce, 0))
+            addresses.append((group, key))
+            mkeys.append(object_key(namespace_id, group, key))
+            nonces.append(nonce)
             pointers.append(ptrs)
             sizes.append(lengths)
         if taken:
-            codes = self._client.batch_put_from_multi_buffers([s.mkey for s in sent], pointers, sizes)
+            codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
             self._cluster.breaker.screen(codes, "storing blocks", counted_unless=PUT_ACCEPTED)
-            sent = [_Sent(s.address, s.mkey, s.nonce, code) for s, code in zip(sent, codes, strict=True)]
+            sent = _Sent(addresses, mkeys, nonces, codes)
             for n, verdict in zip(taken, self._judge(namespace_id, mode_id, sent), strict=True):
                 # Undecided: only the single path can tell (it waits for an in-flight writer), from a copy.
                 if isinstance(verdict, Undecided):
@@ -219,23 +219,23 @@ class Writes:
                 results[n] = verdict
         return [r if r is not None else _NO_OUTCOME for r in results]
 
-    def _judge(self, namespace_id: str, mode_id: str, sent: Sequence[_Sent]) -> list[PutResult | Undecided]:
+    def _judge(self, namespace_id: str, mode_id: str, sent: _Sent) -> list[PutResult | Undecided]:
         """Each sent value's outcome from its stored header, read back for all at once: the one place
         a put is judged. A header with our nonce is STORED, another writer's ALREADY_PRESENT (or
         CONFLICT in another mode); a corrupt one is dropped."""
         out: list[PutResult | Undecided] = []
         seen: dict[str, str] = {}
-        found = self._cluster.headers.read([s.mkey for s in sent])
-        for item, header in zip(sent, found, strict=True):
+        found = self._cluster.headers.read(sent.mkeys)
+        for address, mkey, nonce, code, header in zip(*sent, found, strict=True):
             if isinstance(header, bytes):
                 try:
-                    stored = decode_header(header, namespace_id, *item.address)
+                    stored = decode_header(header, namespace_id, *address)
                 except FormatError:
-                    self._cluster.drop_corrupt([item.mkey])
+                    self._cluster.drop_corrupt([mkey])
                     out.append(Undecided.DROPPED)
                     continue
-                seen[item.mkey] = stored.mode_id
-                if stored.nonce == item.nonce:
+                seen[mkey] = stored.mode_id
+                if stored.nonce == nonce:
                     out.append(PutResult(PutOutcome.STORED))
                 elif stored.mode_id != mode_id:
                     out.append(PutResult(PutOutcome.CONFLICT, f"key is held by mode {stored.mode_id}"))
@@ -243,8 +243,8 @@ class Writes:
                     out.append(PutResult(PutOutcome.ALREADY_PRESENT))
                 continue
             self._cluster.breaker.screen([header], "confirming a store")
-            if item.code not in PUT_ACCEPTED:
-                out.append(PutResult(PutOutcome.REJECTED, self._put_failure(item.code)))
+            if code not in PUT_ACCEPTED:
+                out.append(PutResult(PutOutcome.REJECTED, self._put_failure(code)))
             elif header in _IN_FLIGHT:
                 out.append(Undecided.IN_FLIGHT)
             else:
