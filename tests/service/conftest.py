@@ -17,7 +17,7 @@ if str(REPO) not in sys.path:  # `tests.contract` imports resolve from the repos
 from kvtag.v1 import store_pb2 as pb  # noqa: E402
 from kvtag.v1 import store_pb2_grpc  # noqa: E402
 from kvtag_store.app.server import RunningServer, start_server  # noqa: E402
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus  # noqa: E402
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus  # noqa: E402
 from kvtag_store.config import ServiceConfig  # noqa: E402
 
 from .helpers import Store  # noqa: E402

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtag_store.backends.base import BlockAddress
-from kvtag_store.backends.memory.backend import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend
 
 
 def flip_memory_bit(backend: MemoryBackend, namespace_id: str, address: BlockAddress, position: int) -> None:

@@ -10,7 +10,7 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_store.app.server import RunningServer
-from kvtag_store.backends.memory.backend import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend
 
 from tests.descriptors import PROBE, mode, namespace
 

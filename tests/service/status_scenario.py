@@ -21,7 +21,7 @@ from kvtag.v1 import store_pb2_grpc
 from kvtag_proto import ids
 from kvtag_proto.channels import ChannelSecurity, open_channel
 from kvtag_store.app.server import start_server
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 
 from tests.descriptors import mode, namespace

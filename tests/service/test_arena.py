@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, FAULTED_OFFSET, Arena, Slot, remove_orphans
-from kvtag_store.backends.memory.backend import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend
 
 from tests.net import wait_until
 

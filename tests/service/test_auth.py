@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_store.app.server import RunningServer, start_server
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.security.options import Security
 from kvtag_store.security.tokens import TokenRegistry

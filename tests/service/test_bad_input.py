@@ -14,7 +14,7 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto.errors import parse_error
 from kvtag_store.app.server import RunningServer, start_server
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig, ServiceLimits
 
 from tests.descriptors import PROBE, mode, namespace

@@ -13,7 +13,7 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_store.app.server import start_server
 from kvtag_store.backends.base import BackendStats, BackendUnavailable
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 
 from tests.descriptors import mode

@@ -8,9 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtag.v1 import store_pb2 as pb
 from kvtag_store.backends import key_index
-from kvtag_store.backends.memory import backend as memory
 from kvtag_store.backends.base import BlockAddress, BlockKey
-from kvtag_store.backends.memory.backend import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend
 
 _STATUS: dict[int, str] = {pb.HIT: "hit", pb.MISS: "miss", pb.MODE_MISMATCH: "mismatch"}
 
@@ -102,11 +101,10 @@ def _both_lookups(
 
 
 @pytest.mark.parametrize("lag", [1, 7, 100_000])
-def test_packed_lookup_follows_stores_evictions_and_modes(monkeypatch: pytest.MonkeyPatch, lag: int) -> None:
+def test_packed_lookup_follows_stores_evictions_and_modes(lag: int) -> None:
     """Whether the index catches up on every change, every few, or only at the Lookup, it answers as
     the exact entries do: evicted keys read as misses, other modes' keys as mismatches."""
-    monkeypatch.setattr(memory, "_KEY_INDEX_LAG", lag)
-    backend = MemoryBackend(40 * 1024)  # 40 values of 1 KiB: the puts below evict
+    backend = MemoryBackend(40 * 1024, key_index_lag=lag)  # 40 values of 1 KiB: the puts below evict
     value = b"x" * 1024
     addresses = [_address(i, group=i % 2) for i in range(120)]
     for round_ in range(6):

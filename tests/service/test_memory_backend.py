@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome
-from kvtag_store.backends.memory.backend import MemoryBackend
+from kvtag_store.backends.memory import MemoryBackend
 
 
 def a(name: str) -> BlockAddress:

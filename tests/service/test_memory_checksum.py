@@ -6,7 +6,8 @@ import os
 
 import pytest
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus
-from kvtag_store.backends.memory.backend import MemoryBackend, checksum
+from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.memory.entries import checksum
 
 from .faults import corrupt_memory_value, flip_memory_bit
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_store.app.server import RunningServer, start_server
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.observe import report
 from prometheus_client import generate_latest

@@ -16,7 +16,7 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.channels import ChannelSecurity, open_channel
 from kvtag_store.app import cli
 from kvtag_store.app.server import RunningServer, start_server
-from kvtag_store.backends.memory.backend import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.security.options import Security, check_listen
 from kvtag_store.security.tls import ServerTls, TlsFileError
