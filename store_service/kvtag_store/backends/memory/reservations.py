@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from kvtag_store.backends.arena import Slot
-from kvtag_store.backends.base import BlockAddress, PutOutcome, PutResult, SlotReference
+from kvtag_store.backends.base import NO_RESERVATION, BlockAddress, PutOutcome, PutResult, SlotReference
 from kvtag_store.backends.memory.allocation import Allocator
 from kvtag_store.backends.memory.entries import STORED, Namespace, checksum
 
@@ -25,11 +25,6 @@ _KEYED_SLOT = PutResult(
 _SPARE_SHARE_FULL = PutResult(PutOutcome.REJECTED, "spare slots are at their share of capacity")
 _SPARE_WITHOUT_KEY = PutResult(
     PutOutcome.REJECTED, "a spare slot is committed with its key: send packed_items, one key per generation"
-)
-_NO_RESERVATION = PutResult(
-    PutOutcome.REJECTED,
-    "no such reservation: the slot was not reserved by this session for this block, was already "
-    "committed, or its session expired; reserve again (ReserveSlots)",
 )
 
 
@@ -160,7 +155,7 @@ class Reservations:
         with self._lock:
             for n, (t, digest) in enumerate(zip(taken, digests, strict=True)):
                 if t is None:
-                    results.append(refused.get(n, _NO_RESERVATION))
+                    results.append(refused.get(n, NO_RESERVATION))
                     continue
                 result = insert(mode_id, t[0], t[1], digest)
                 if result is STORED:
