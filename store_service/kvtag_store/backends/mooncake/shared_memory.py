@@ -12,7 +12,14 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from kvtag_store.backends.arena import Arena
-from kvtag_store.backends.base import BlockAddress, KeyStatus, PutOutcome, PutResult, SlotReference
+from kvtag_store.backends.base import (
+    NO_RESERVATION,
+    BlockAddress,
+    KeyStatus,
+    PutOutcome,
+    PutResult,
+    SlotReference,
+)
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
 from kvtag_store.backends.mooncake.format import (
@@ -28,11 +35,6 @@ from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
 
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
-_NO_RESERVATION = PutResult(
-    PutOutcome.REJECTED,
-    "no such reservation: the slot was not reserved by this session for this block, was already "
-    "committed, or its session expired; reserve again (ReserveSlots)",
-)
 # Spare slots would hold staging memory between puts that the reads also need: this backend
 # stages values only for the put that names them.
 NO_SPARES = PutResult(
@@ -137,7 +139,7 @@ class SharedMemoryHalf:
         finally:
             if self._staging is not None:
                 self._staging.free([staged for _, _, staged in live])
-        results = [next(outcomes) if r is not None else _NO_RESERVATION for r in taken]
+        results = [next(outcomes) if r is not None else NO_RESERVATION for r in taken]
         stored = sum(
             r[2].length
             for r, result in zip(taken, results, strict=True)
