@@ -8,6 +8,7 @@ The servicer assembles those parts over one BlockBackend, whose extra capabiliti
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,6 +30,7 @@ from kvtag_store.api.writes import Writes
 from kvtag_store.backends.base import BlockBackend, Capabilities, CensusStore, ReadResult
 from kvtag_store.config import ServiceConfig
 from kvtag_store.observe import tenant_stats
+from kvtag_store.observe.diagnose_pages import DiagnosePager
 from kvtag_store.observe.metrics import StoreMetrics
 from kvtag_store.policy.base_keys import BaseKeyIndex
 from kvtag_store.policy.census import Census
@@ -58,14 +60,21 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.config = config
         self.limits = config.limits
         self.metrics = metrics
-        self.sessions = SessionTable(config.session_ttl_ms)
-        self.census = Census(census_store, config.namespace_policies, config.default_policy)
+        self.sessions = SessionTable(config.session_ttl_ms, limits=config.caps)
+        self.census = Census(
+            census_store,
+            config.namespace_policies,
+            config.default_policy,
+            config.caps,
+            config.census_retention_ms,
+        )
         self.base_index = BaseKeyIndex(config.base_index_entries)
         # The bound on request and reply bytes held at once (admission.py).
         self.admission = Admission(config.max_inflight_bytes)
         self.calls = Calls(self.limits.max_batch_items, self.admission, metrics)
         message_budget = self.limits.max_message_bytes - message_headroom(self.limits.max_message_bytes)
         value_limit = ValueLimit(min(backend.max_value_bytes, message_budget))
+        self.pages = DiagnosePager(self.census, message_budget)
         self.max_value_bytes = value_limit.max_value_bytes
         counting = Counting(self.census, metrics)
         leases = Leases(self.sessions, backend)
@@ -99,6 +108,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.writes = Writes(backend, self.sessions, counting, self.base_index, value_limit, self.limits)
         self.reaper = Reaper.for_ttl(self.reap, config.session_ttl_ms)
         metrics.watch(backend.stats, self.census.live_sessions)
+        metrics.watch_census(self.census.namespace_count)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -110,8 +120,21 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.reaper.stop()
 
     def reap(self) -> None:
-        """End the sessions whose heartbeat stopped and unpin the leases that ran out."""
+        """End the sessions whose heartbeat stopped and unpin the leases that ran out; now and then,
+        forget idle namespaces."""
         self.desk.expire()
+        if self.census.sweep_due(time.monotonic()):
+            self.sweep_census()
+
+    def sweep_census(self) -> None:
+        """census.sweep with the backend's blocks per namespace. A backend that holds blocks but
+        cannot count them per namespace (Mooncake) gives None: namespaces whose modes stored stay."""
+        stats = self.backend.stats()
+        exact = bool(stats.per_namespace) or stats.keys == 0
+        held = {ns_id: keys for ns_id, (keys, _) in stats.per_namespace.items()} if exact else None
+        forgotten = self.census.sweep(held)
+        if forgotten:
+            self.metrics.namespaces_forgotten.inc(len(forgotten))
 
     # -- sessions -----------------------------------------------------------
 
@@ -215,13 +238,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     @rpc(intake.DIAGNOSE)
     def Diagnose(self, request: pb.DiagnoseRequest, context: grpc.ServicerContext) -> pb.DiagnoseResponse:
         principal = self.access.viewer(context, "Diagnose")
-        report = self.census.report(request.namespace_id)
-        if principal.sees_everything:
-            return report
         # Only the caller's tenants: another tenant's namespace is absent exactly as an unknown one is.
-        return pb.DiagnoseResponse(
-            namespaces=[ns for ns in report.namespaces if principal.may_use(ns.namespace.tenant)]
-        )
+        return self.pages.page(request, None if principal.sees_everything else principal.may_use)
 
     @rpc(intake.GET_STATS)
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:

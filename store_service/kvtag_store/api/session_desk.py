@@ -65,16 +65,17 @@ class SessionDesk:
     def open(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         principal = self.access.opener(context, request.namespace.tenant)
         validation.open_session(request, self.limits)
+        tenant = request.namespace.tenant
         try:
+            self.sessions.check_room(tenant)  # the session caps, before the census keeps anything
             verdict = self.census.admit(request)
+            session = self.sessions.open(
+                request.engine_id, verdict.namespace_id, verdict.mode_id, dict(request.labels), tenant
+            )
         except errors.ApiError as refusal:
             self.counting.session_refused(refusal.reason)
             raise
         self.counting.session_admitted(verdict.warnings)
-        tenant = request.namespace.tenant
-        session = self.sessions.open(
-            request.engine_id, verdict.namespace_id, verdict.mode_id, dict(request.labels), tenant
-        )
         if self.tenants is not None:
             self.tenants.assign_tenant(verdict.namespace_id, tenant)
         offer = (

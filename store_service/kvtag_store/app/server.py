@@ -175,7 +175,7 @@ def start_server(
     metrics.registry.register(CensusCollector(service.census.report))
     history = HitRateHistory(service.census.report, interval_s=history_interval_s)
     if metrics_listen:
-        source = StatusSource(service.census.report, backend.stats, history)
+        source = StatusSource(service.census.report, backend.stats, history, pages=service.pages)
         app = status_http.status_app(source, metrics.registry, status_gate)
         metrics_http, metrics_thread = status_http.serve(metrics_listen, app)
         metrics_address = f"{metrics_listen.rpartition(':')[0]}:{metrics_http.server_port}"

@@ -94,7 +94,9 @@ class DiagnosePager:
                 return False
             return not needle or _matches(needle, ns_id, state)
 
-        snapshot = _Snapshot(query, tuple(self._census.order(wanted)), self._clock() + SNAPSHOT_TTL_S)
+        everything = not namespace_id and may_see is None and not needle
+        ordered = self._census.order(None if everything else wanted)
+        snapshot = _Snapshot(query, tuple(ordered), self._clock() + SNAPSHOT_TTL_S)
         snapshot_id = secrets.token_hex(8)
         with self._lock:
             self._expire_locked()

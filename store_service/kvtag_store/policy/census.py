@@ -66,6 +66,7 @@ class ModeState:
 
 @dataclass
 class NamespaceState:
+    namespace_id: str
     descriptor: pb.NamespaceDescriptor
     policy: int
     established_mode_id: str = ""
@@ -120,7 +121,12 @@ class Census:
         self._caps = limits or Caps()
         self.retention_ms = retention_ms
         self._lock = threading.Lock()
+        # Kept in order of last activity, oldest first (_touch moves a namespace to the end), so the
+        # Diagnose order needs no sort of every namespace.
         self._namespaces: dict[str, NamespaceState] = {}
+        # Namespaces with a split (NamespaceState.split) and with refusals or probe disagreements.
+        self._split: set[str] = set()
+        self._troubled: set[str] = set()
         self._per_tenant: Counter[str] = Counter()
         self._shelf = RecordShelf()
         self.refusals_total: Counter[str] = Counter()
@@ -139,12 +145,13 @@ class Census:
             if state is None:
                 self._check_namespace_room(request.namespace.tenant)
                 state = self._namespaces[ns_id] = NamespaceState(
+                    namespace_id=ns_id,
                     descriptor=pb.NamespaceDescriptor(),
                     policy=self._policy_for.get(ns_id, self._default_policy),
                 )
                 state.descriptor.CopyFrom(request.namespace)
                 self._per_tenant[state.tenant] += 1
-            state.last_active_ms = now_ms()
+            self._touch(ns_id, state)
         warnings: list[pb.CensusWarning] = []
         if state.policy == pb.POLICY_STRICT:
             established = self._store.establish_mode(ns_id, ids.mode_encoding(request.mode))
@@ -231,6 +238,8 @@ class Census:
             record.refusal.CopyFrom(refusal)
         with self._lock:
             self._shelf.add(state.refused, record)
+            if self._namespaces.get(state.namespace_id) is state:
+                self._troubled.add(state.namespace_id)
             self.refusals_total["MODE_REFUSED" if refusal is not None else "PROBE_DISAGREEMENT"] += 1
 
     def _probe_disagreement(
@@ -260,6 +269,8 @@ class Census:
         )
         with self._lock:
             self._shelf.add(state.disagreements, record)
+            if self._namespaces.get(ns_id) is state:
+                self._troubled.add(ns_id)
         if state.policy == pb.POLICY_STRICT:
             self._record_refusal(state, request.engine_id, message, None)
         return _ProbeDrift(message, record)
@@ -285,7 +296,9 @@ class Census:
                 mode_state = state.modes[session.mode_id] = ModeState(mode=pb.HashingMode())
                 mode_state.mode.CopyFrom(mode)
             mode_state.live[session.session_id] = session
-            state.last_active_ms = mode_state.last_active_ms = now_ms()
+            mode_state.last_active_ms = self._touch(session.namespace_id, state)
+            if state.split():
+                self._split.add(session.namespace_id)
 
     def left(self, session: Session) -> None:
         with self._lock:
@@ -294,7 +307,9 @@ class Census:
             if mode_state is not None and mode_state.live.pop(session.session_id, None) is not None:
                 assert state is not None
                 self._shelf.add(mode_state.recent, _gone_record(session))
-                state.last_active_ms = mode_state.last_active_ms = now_ms()
+                mode_state.last_active_ms = self._touch(session.namespace_id, state)
+                if not state.split():
+                    self._split.discard(session.namespace_id)
 
     # -- forgetting ---------------------------------------------------------
 
@@ -337,6 +352,8 @@ class Census:
 
     def _forget_locked(self, ns_id: str, state: NamespaceState) -> None:
         del self._namespaces[ns_id]
+        self._split.discard(ns_id)
+        self._troubled.discard(ns_id)
         left = self._per_tenant[state.tenant] - 1
         if left > 0:
             self._per_tenant[state.tenant] = left
@@ -385,7 +402,9 @@ class Census:
             if mode_state is None:
                 return
             assert state is not None
-            state.last_active_ms = mode_state.last_active_ms = now_ms()
+            mode_state.last_active_ms = self._touch(session.namespace_id, state)
+            if mode_mismatches or cross_mode:
+                self._split.add(session.namespace_id)
             mode_state.hits += hits
             mode_state.misses += misses
             mode_state.mode_mismatches += mode_mismatches
@@ -406,15 +425,26 @@ class Census:
 
     def order(self, wanted: Callable[[str, NamespaceState], bool] | None = None) -> list[str]:
         """Namespace ids in the order an operator reads them: splits first, then refusals or probe
-        disagreements, then the most recently active; `wanted` filters."""
+        disagreements, each group by last activity, newest first; `wanted` filters."""
         with self._lock:
-            ranked = [
-                (not state.split(), not (state.refused or state.disagreements), -state.last_active_ms, ns_id)
-                for ns_id, state in self._namespaces.items()
-                if wanted is None or wanted(ns_id, state)
-            ]
-        ranked.sort()
-        return [entry[3] for entry in ranked]
+            states = self._namespaces
+            newest_first = list(reversed(states))
+            split = sorted(self._split, key=lambda n: -states[n].last_active_ms)
+            troubled = sorted(self._troubled - self._split, key=lambda n: -states[n].last_active_ms)
+            if split or troubled:
+                flagged = self._split | self._troubled
+                newest_first = [n for n in newest_first if n not in flagged]
+            ordered = split + troubled + newest_first
+            if wanted is not None:
+                ordered = [n for n in ordered if wanted(n, states[n])]
+        return ordered
+
+    def _touch(self, ns_id: str, state: NamespaceState) -> int:
+        """Record activity now: the namespace moves to the newest end. Caller holds the lock."""
+        state.last_active_ms = at = now_ms()
+        del self._namespaces[ns_id]
+        self._namespaces[ns_id] = state
+        return at
 
     def reports(self, namespace_ids: Iterable[str]) -> Iterator[pb.NamespaceReport]:
         """The reports of those of `namespace_ids` still in the census, in the order given."""
