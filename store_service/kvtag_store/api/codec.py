@@ -85,7 +85,7 @@ class KeyBatch:
     @property
     def runs(self) -> list[tuple[int, bytes, int]] | None:
         """(group, concatenated keys, key length) per packed run; None for the v1 form, whose keys
-        arrived one by one (joining them into runs would cost what the runs save)."""
+        arrive already cut and go to the backend as addresses."""
         if not self.packed:
             return None
         return [(run.group, run.keys, run.key_length) for run in self._runs()]

@@ -20,7 +20,7 @@ class Reaper:
 
     @classmethod
     def for_ttl(cls, reap: Callable[[], None], session_ttl_ms: int) -> Reaper:
-        """Often enough that a session ends within a quarter of its TTL past expiry."""
+        """Every quarter of the session TTL, at most every 0.25 s: a session ends soon after it expires."""
         return cls(reap, min(0.25, session_ttl_ms / 4000.0))
 
     def start(self) -> None:
