@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtag_client.connector import compat
 from kvtag_client.connector.namespace import Geometry, vllm_probe_keys
 from kvtag_client.connector.tracking import RequestKeys
 from kvtag_client.keys import ExtraKeys, block_keys
+from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.v1.core.kv_cache_utils import hash_block_tokens
-from vllm.v1.request import RequestStatus
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens
+from vllm.v1.request import Request, RequestStatus
 
 from tests.store_process import StoreProcess
 
@@ -67,6 +69,27 @@ def test_connector_keys_match_the_published_canonical_vectors(
         assert got == vector["keys"]
 
 
+def expected_vllm_scheme_keys(tokens: list[int], lookahead: int) -> list[bytes]:
+    """key_scheme=vllm's keys for `tokens`, straight from vLLM: on 0.33 its own lookahead block
+    hashes (kv_cache_utils.get_request_block_hasher with num_hash_lookahead_tokens), on 0.32 its
+    legacy hashes followed by the successor token ids."""
+    request = Request(
+        request_id="expected",
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+    )
+    if compat.series() >= (0, 33):
+        hasher = get_request_block_hasher(B, _sha256(), lookahead)
+        return [bytes(h) for h in hasher(request)]
+    legacy = get_request_block_hasher(B, _sha256())(request)
+    return [
+        bytes(h) + b"".join(t.to_bytes(4, "big") for t in tokens[(j + 1) * B : (j + 1) * B + lookahead])
+        for j, h in enumerate(legacy)
+        if (j + 1) * B + lookahead <= len(tokens)
+    ]
+
+
 def test_vllm_scheme_uses_the_engine_block_hashes(
     make_engine: Callable[..., Engine], store: StoreProcess
 ) -> None:
@@ -74,17 +97,41 @@ def test_vllm_scheme_uses_the_engine_block_hashes(
     assert engine.connector.lookahead_tokens == 1
     prompt = fresh_prompt(3 * B + 2)
     request = engine.make_request("v", prompt, 1)
-    keys = RequestKeys(request, Geometry(B, B), 1, "vllm")
+    keys = RequestKeys(request, Geometry(B, B), 1, "vllm", engine.connector._sched().lookahead_hasher)
     keys.refresh()
     assert keys.num_keyed_blocks() == 3
+    assert [keys.key(j) for j in range(3)] == expected_vllm_scheme_keys(prompt, 1)
     for j in range(3):
-        assert keys.base_key(j) == bytes(request.block_hashes[j])
-        assert keys.key(j).startswith(bytes(request.block_hashes[j])), "the engine's hash, then the successor"
+        assert keys.base_key(j) == bytes(request.block_hashes[j]), "the base key is the engine's hash"
         assert keys.key(j) != keys.base_key(j)
     # The probe keys are the engine's own chain over the probe tokens from its NONE_HASH.
     probe = engine.connector.probe_keys()
     assert probe == vllm_probe_keys(engine.vc, B, 1)
-    assert probe[0].startswith(bytes(hash_block_tokens(_sha256(), None, list(_probe_tokens(B, 1))[:B], None)))
+    assert probe == expected_vllm_scheme_keys(_probe_tokens(B, 1), 1)
+    assert probe[0] != bytes(hash_block_tokens(_sha256(), None, list(_probe_tokens(B, 1))[:B], None))
+
+
+def test_vllm_scheme_stores_under_the_vllm_lookahead_hashes_through_the_real_scheduler(
+    make_engine: Callable[..., Engine], store: StoreProcess
+) -> None:
+    """On 0.33, kvtag's key_scheme=vllm lookahead keys are vLLM 0.33's own lookahead block hashes:
+    a save through the real Scheduler lands under them, and a second engine hits every block."""
+    extra = {"key_scheme": "vllm", "engine_id": "vllm-scheme-store"}
+    writer = make_engine(store.endpoint, eagle=True, extra=extra)
+    prompt = fresh_prompt(4 * B + 3)
+    writer.add("w", prompt, max_tokens=2)
+    writer.run()
+    writer.drain_saves()
+    tokens = prompt + writer.step_log_samples("w")
+    expected = expected_vllm_scheme_keys(tokens, 1)
+    assert len(expected) == 4
+    stored = writer.connector.client().get([(0, key) for key in expected])
+    assert all(value is not None for value in stored), (
+        f"blocks not stored under vLLM {compat.vllm_version()}'s keys: "
+        f"{[i for i, v in enumerate(stored) if v is None]}"
+    )
+    reader = make_engine(store.endpoint, eagle=True, extra=extra)
+    assert reader.external_hit("r", prompt) == 4 * B
 
 
 def _sha256() -> Any:

@@ -69,25 +69,26 @@ def test_set_lookahead_block_hashes_is_honoured_and_reopens_the_session(
 
 
 def test_unsupported_vllm_versions_fail_with_the_version_named() -> None:
-    assert compat.check_supported("0.32.0") == "0.32.0"
-    assert compat.check_supported("0.32.1+cpu") == "0.32.1+cpu"
-    for version in ("0.31.2", "0.33.0", "0.33.1rc1+cpu", "1.0.0"):
+    for supported in ("0.32.0", "0.32.1+cpu", "0.33.0", "0.33.1rc1+cpu"):
+        assert compat.check_supported(supported) == supported
+    for version in ("0.31.2", "0.34.0", "0.34.0rc1+cpu", "1.0.0", "0.3.3"):
         with pytest.raises(compat.UnsupportedVllmVersion, match=re.escape(version)):
             compat.check_supported(version)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.31.2"])
+@pytest.mark.parametrize("version", ["0.34.0", "0.31.2"])
 def test_an_engine_on_an_unsupported_vllm_refuses_to_build_its_connector(
     make_engine: Callable[..., Engine],
     store: StoreProcess,
     monkeypatch: pytest.MonkeyPatch,
     version: str,
 ) -> None:
-    """The installed 0.32 reports another version (the fault): the connector, not a request, fails."""
+    """The installed vLLM reports another version (the fault): the connector, not a request, fails."""
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", version)
-    with pytest.raises(compat.UnsupportedVllmVersion, match=rf"supports vLLM 0\.32\.x, but vLLM {version}"):
+    wanted = r"supports vLLM 0\.32\.x, 0\.33\.x, but vLLM "
+    with pytest.raises(compat.UnsupportedVllmVersion, match=wanted + re.escape(version)):
         make_engine(store.endpoint, extra={"engine_id": f"version-{version}"})
 
 

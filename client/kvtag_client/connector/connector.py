@@ -189,6 +189,9 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.client(),
                 self.stats,
                 self._peer_clients(),
+                namespace.vllm_lookahead_hasher(
+                    self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
+                ),
             )
         return self._scheduler
 

@@ -137,12 +137,25 @@ def vllm_lookahead_key(block_hash: bytes, lookahead: list[int]) -> bytes:
     return bytes(block_hash) + struct.pack(f">{len(lookahead)}I", *lookahead)
 
 
+def vllm_lookahead_hasher(
+    vllm_config: Any, config: KvtagConfig, hash_block_size: int, lookahead: int
+) -> compat.LookaheadHasher | None:
+    """key_scheme=vllm's lookahead keys where this vLLM defines them (compat.vllm_lookahead_hasher)."""
+    if config.key_scheme != "vllm":
+        return None
+    return compat.vllm_lookahead_hasher(vllm_hash_fn(vllm_config), hash_block_size, lookahead)
+
+
 def vllm_probe_keys(vllm_config: Any, hash_block_size: int, lookahead_tokens: int) -> list[bytes]:
     from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
     vllm_none_hash(vllm_config)
     hash_fn = vllm_hash_fn(vllm_config)
     tokens = probe_tokens(hash_block_size, lookahead_tokens)
+    hasher = compat.vllm_lookahead_hasher(hash_fn, hash_block_size, lookahead_tokens)
+    if hasher is not None:
+        probe = _ProbeRequest(tokens)
+        return hasher(probe, [])[:2]
     result: list[bytes] = []
     parent = None
     for index in range(2):
@@ -150,6 +163,19 @@ def vllm_probe_keys(vllm_config: Any, hash_block_size: int, lookahead_tokens: in
         parent = hash_block_tokens(hash_fn, parent, tokens[start:end], None)
         result.append(vllm_lookahead_key(bytes(parent), tokens[end : end + lookahead_tokens]))
     return result
+
+
+class _ProbeRequest:
+    """The probe tokens as a request with no extras, for vLLM's own hasher."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.all_token_ids = tokens
+        self.num_tokens = len(tokens)
+        self.block_hashes: list[bytes] = []
+        self.mm_features: list[Any] = []
+        self.lora_request = None
+        self.cache_salt = None
+        self.prompt_embeds = None
 
 
 def hashing_mode(

@@ -36,9 +36,11 @@ class SchedulerSide:
         client: StoreClient,
         stats: StatsRecorder,
         peers: Sequence[StoreClient] = (),
+        lookahead_hasher: compat.LookaheadHasher | None = None,
     ) -> None:
         """`client` is a session in TP rank 0's namespace; `peers` one in each further rank's, in
-        rank order: every rank stores its own KV shard, so a hit is what every rank holds."""
+        rank order: every rank stores its own KV shard, so a hit is what every rank holds.
+        `lookahead_hasher`: key_scheme=vllm's lookahead keys where vLLM defines them (compat)."""
         self.config = config
         self.geometry = geometry
         self.groups = groups
@@ -46,6 +48,7 @@ class SchedulerSide:
         self.eagle_block_drop = eagle_block_drop
         self.clients = [client, *peers]
         self.stats = stats
+        self.lookahead_hasher = lookahead_hasher
         self._requests: dict[str, RequestState] = {}
         self.planner = SavePlanner(config, geometry, groups, stats)
         self._ready_loads: list[LoadJob] = []
@@ -65,7 +68,9 @@ class SchedulerSide:
     def track(self, request: Any) -> RequestState:
         tracked = self._requests.get(request.request_id)
         if tracked is None or tracked.keys.request is not request:
-            keys = RequestKeys(request, self.geometry, self.lookahead, self.config.key_scheme)
+            keys = RequestKeys(
+                request, self.geometry, self.lookahead, self.config.key_scheme, self.lookahead_hasher
+            )
             tracked = RequestState(keys=keys)
             self._requests[request.request_id] = tracked
             if not keys.encodable:

@@ -14,17 +14,23 @@ from typing import Any
 from kvtag_client.extra_keys import extra_keys_from_request
 from kvtag_client.keys import KeyChain, UnencodableExtraKeys
 
+from .compat import LookaheadHasher
 from .metadata import BlockTransfer
 from .namespace import Geometry, vllm_lookahead_key
 
 
 class _VllmChain:
-    """key_scheme=vllm: the engine's own request.block_hashes, with the L successor tokens appended."""
+    """key_scheme=vllm: the engine's own request.block_hashes as base keys; with lookahead L, the
+    keys are vLLM's own lookahead hashes where it defines them (`lookahead_hasher`, see
+    compat.vllm_lookahead_hasher), else the block hash with the L successor tokens appended."""
 
-    def __init__(self, request: Any, hash_block_size: int, lookahead: int) -> None:
+    def __init__(
+        self, request: Any, hash_block_size: int, lookahead: int, lookahead_hasher: LookaheadHasher | None
+    ) -> None:
         self._request = request
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead
+        self._lookahead_hasher = lookahead_hasher
         self.keys: list[bytes] = []
         self.base_keys: list[bytes] = []
 
@@ -33,6 +39,9 @@ class _VllmChain:
         tokens = self._request.all_token_ids
         while len(self.base_keys) < len(hashes):
             self.base_keys.append(bytes(hashes[len(self.base_keys)]))
+        if self._lookahead and self._lookahead_hasher is not None:
+            self.keys.extend(self._lookahead_hasher(self._request, self.keys))
+            return
         while len(self.keys) < len(self.base_keys):
             i = len(self.keys)
             end = (i + 1) * self._hash_block_size
@@ -49,6 +58,8 @@ class RequestKeys:
     geometry: Geometry
     lookahead: int
     scheme: str
+    # key_scheme=vllm with lookahead: vLLM's own lookahead hasher where it has one.
+    lookahead_hasher: LookaheadHasher | None = None
     encodable: bool = True
     _chain: Any = field(default=None, repr=False)
 
@@ -60,7 +71,9 @@ class RequestKeys:
                 )
             else:
                 extra_keys_from_request(self.request)  # same refusal rule: no encodable identity, no sharing
-                self._chain = _VllmChain(self.request, self.geometry.hash_block_size, self.lookahead)
+                self._chain = _VllmChain(
+                    self.request, self.geometry.hash_block_size, self.lookahead, self.lookahead_hasher
+                )
         except UnencodableExtraKeys:
             self.encodable = False
 
