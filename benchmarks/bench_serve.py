@@ -1,0 +1,354 @@
+"""`make bench-serve`: what an operator sees with kvtag, against vLLM's own MooncakeStoreConnector (the peer)
+and against no store, from real `vllm serve` processes driven over HTTP by `vllm bench serve`.
+
+Systems (the same run, the same Mooncake cluster):
+  none         vLLM's local prefix cache only
+  kvtag-mem    kvtag's default store (memory backend)
+  kvtag-mc     kvtag-store --backend mooncake on the cluster
+  peer         vLLM's MooncakeStoreConnector on the cluster (MOONCAKE_CONFIG_PATH, wheel in the engine's env)
+
+Scenarios: cross-engine (a producer server fills the store, a fresh consumer server serves the same
+load), capacity (a local KV cache smaller than the working set), spec (EAGLE: kvtag lookahead keys,
+kvtag legacy last-block drop, the peer), mismatch (producer and consumer configured differently).
+Every Mooncake process (master, storage, kvtag-store --backend mooncake, every vLLM server) runs in
+one private network namespace: this script re-executes itself under `unshare -n`.
+
+    .venv-vllm/bin/python benchmarks/bench_serve.py [--quick] [--out benchmarks/results/serve.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from serve import report  # noqa: E402
+from serve.cluster import Cluster, in_private_netns, memory_store, mooncake_store  # noqa: E402
+from serve.load import Workload, bench_args, multi_turn, prefix_repetition, run  # noqa: E402
+from serve.model import Shape, build  # noqa: E402
+from serve.servers import Server, ServerSpec, kvtag_transfer, peer_transfer  # noqa: E402
+
+from tests.store_process import StoreProcess  # noqa: E402
+
+SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer")
+SAVE_SETTLE_S = 5.0  # after a producer's last response, before SIGTERM: the async saves drain
+CLOSED = ("inf", 2)  # closed loop: as fast as 2 in-flight requests allow
+
+
+class Bench:
+    """One run: the model, the cluster and stores of the current scenario, and every record."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.models = build(work.parent / "models" if args.models is None else args.models, Shape())
+        self.records: list[dict[str, Any]] = []
+        self.prefill: dict[str, Any] = {}
+        self.seq = 0
+        self.cluster: Cluster | None = None
+        self.stores: dict[str, StoreProcess] = {}
+
+    # -- stores --------------------------------------------------------------------------------
+    @contextmanager
+    def stores_for(self, scenario: str, policy: str = "isolate") -> Iterator[None]:
+        """A fresh cluster and fresh kvtag stores per scenario, so no scenario hits another's blocks."""
+        with ExitStack() as stack:
+            self.cluster = Cluster(self.work, segment_bytes=2 << 30).start()
+            stack.callback(self.cluster.stop)
+            mem = memory_store(self.work, f"store-mem-{scenario}", "--policy", policy).start()
+            stack.callback(mem.stop)
+            mc = mooncake_store(self.work, f"store-mc-{scenario}", self.cluster, "--policy", policy).start(60)
+            stack.callback(mc.stop)
+            self.stores = {"kvtag-mem": mem, "kvtag-mc": mc}
+            yield
+
+    def spec(self, system: str, role: str, *, eagle: bool = False, **kvtag: Any) -> ServerSpec:
+        self.seq += 1
+        engine = f"{system}-{role}-{self.seq}"
+        speculative = (
+            {"method": "eagle", "model": str(self.models["eagle"]), "num_speculative_tokens": 2}
+            if eagle
+            else None
+        )
+        if system == "none":
+            return ServerSpec(engine, speculative=speculative)
+        if system == "peer":
+            assert self.cluster is not None
+            config = self.cluster.peer_config(self.work / f"mooncake-{engine}.json")
+            return ServerSpec(
+                engine,
+                peer_transfer(20000 + self.seq),
+                env={"MOONCAKE_CONFIG_PATH": str(config)},
+                speculative=speculative,
+            )
+        return ServerSpec(
+            engine, kvtag_transfer(self.stores[system].endpoint, engine, **kvtag), speculative=speculative
+        )
+
+    # -- servers and runs ------------------------------------------------------------------------
+    def start(self, specs: list[ServerSpec], extra: list[str] | None = None) -> list[Server]:
+        """Starts servers together (startup is mostly imports) and waits for all of them."""
+        servers = []
+        for s in specs:
+            s.extra_args += extra or []
+            servers.append(Server(s, self.models["target"], self.work, s.name).start())
+        try:
+            for server in servers:
+                server.wait_ready()
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        return servers
+
+    def measure(
+        self,
+        server: Server,
+        scenario: str,
+        system: str,
+        phase: str,
+        load: Workload,
+        rate: tuple[str, int | None],
+    ) -> dict[str, Any]:
+        before = server.counters()
+        argv = bench_args(server.url, self.models["target"], load, rate[0], rate[1], self.args.seed)
+        started = time.monotonic()
+        result = run(argv)
+        wall = time.monotonic() - started
+        after = server.counters()
+        record = report.record(scenario, system, phase, load, rate, result, before, after)
+        record.update(
+            command="vllm bench serve " + shlex.join(argv),
+            server_start_s=round(server.started_s, 1),
+            wall_s=round(wall, 1),
+            load_avg=os.getloadavg(),
+        )
+        self.records.append(record)
+        print(report.line(record), flush=True)
+        self.save()
+        return record
+
+    def save(self) -> None:
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.document(), indent=1) + "\n")
+
+    def document(self) -> dict[str, Any]:
+        shape = Shape()
+        report.with_cold_comparisons(self.records)
+        return {
+            "benchmark": "bench_serve",
+            "quick": self.args.quick,
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
+            "model": {**shape.__dict__, "kv_bytes_per_token": shape.kv_bytes_per_token(), **self.prefill},
+            "records": self.records,
+        }
+
+    # -- scenarios -------------------------------------------------------------------------------
+    def cross_engine(
+        self, load: Workload, rates: list[tuple[str, int | None]], systems: tuple[str, ...]
+    ) -> None:
+        scenario = "cross-engine"
+        with self.stores_for(scenario):
+            producers = [self.spec(s, "producer") for s in systems if s != "none"]
+            servers = self.start(producers)
+            try:
+                for server, system in zip(servers, [s for s in systems if s != "none"], strict=True):
+                    self.measure(server, scenario, system, "producer", load, rates[0])
+                time.sleep(SAVE_SETTLE_S)
+            finally:
+                for server in servers:
+                    server.stop()
+            consumers = self.start([self.spec(s, "consumer") for s in systems])
+            try:
+                for rate in rates:
+                    for server, system in zip(consumers, systems, strict=True):
+                        self.measure(server, scenario, system, "consumer", load, rate)
+                        server.reset_local_cache()
+            finally:
+                for server in consumers:
+                    server.stop()
+
+    def capacity(self, load: Workload, blocks: int, systems: tuple[str, ...]) -> None:
+        """One server per system whose local cache holds `blocks` blocks, a fraction of the working set."""
+        scenario = "capacity"
+        tokens = blocks * 32
+        extra = [
+            f"--num-gpu-blocks-override={blocks}",
+            f"--max-model-len={tokens}",
+            f"--max-num-batched-tokens={tokens}",
+        ]
+        with self.stores_for(scenario):
+            servers = self.start([self.spec(s, "single") for s in systems], extra)
+            try:
+                for server, system in zip(servers, systems, strict=True):
+                    self.measure(server, scenario, system, "single", load, CLOSED)
+            finally:
+                for server in servers:
+                    server.stop()
+
+    def speculative(self, load: Workload) -> None:
+        """Cross-engine under EAGLE: kvtag with lookahead keys, kvtag with the legacy last-block drop
+        (lookahead off), the peer, and none."""
+        scenario = "spec-eagle"
+        variants = [
+            ("none", "eagle", {}),
+            ("kvtag-mem", "eagle-lookahead", {}),
+            ("kvtag-mem", "eagle-legacy", {"lookahead": "off"}),
+            ("peer", "eagle", {}),
+        ]
+        with self.stores_for(scenario):
+            stored = [v for v in variants if v[0] != "none"]
+            # The two kvtag variants hash differently (two modes), so each fills its own blocks.
+            servers = self.start([self.spec(s, "producer", eagle=True, **kv) for s, _, kv in stored])
+            try:
+                for server, (system, variant, _) in zip(servers, stored, strict=True):
+                    self.measure(server, scenario, f"{system}/{variant}", "producer", load, CLOSED)
+                time.sleep(SAVE_SETTLE_S)
+            finally:
+                for server in servers:
+                    server.stop()
+            servers = self.start([self.spec(s, "consumer", eagle=True, **kv) for s, _, kv in variants])
+            try:
+                for server, (system, variant, _) in zip(servers, variants, strict=True):
+                    self.measure(server, scenario, f"{system}/{variant}", "consumer", load, CLOSED)
+            finally:
+                for server in servers:
+                    server.stop()
+
+    def mismatch(self, load: Workload) -> None:
+        """The producer runs EAGLE (kvtag: lookahead keys), the consumer does not (kvtag: legacy keys),
+        under kvtag's strict policy; the peer gets the same two engines."""
+        scenario = "mismatch"
+        systems = ("kvtag-mem", "kvtag-mc", "peer")
+        with self.stores_for(scenario, policy="strict"):
+            servers = self.start([self.spec(s, "producer", eagle=True) for s in systems])
+            try:
+                for server, system in zip(servers, systems, strict=True):
+                    self.measure(server, scenario, system, "producer", load, CLOSED)
+                time.sleep(SAVE_SETTLE_S)
+            finally:
+                for server in servers:
+                    server.stop()
+            servers = self.start([self.spec(s, "consumer") for s in systems])
+            try:
+                for server, system in zip(servers, systems, strict=True):
+                    record = self.measure(server, scenario, system, "consumer", load, CLOSED)
+                    record["operator_told"] = report.operator_lines(server.log_text())
+            finally:
+                for server in servers:
+                    server.stop()
+
+    def measure_prefill(self) -> None:
+        """The model's prefill rate on one fresh server without a store: a 2,048-token prompt, 3 times."""
+        server = self.start([ServerSpec("prefill-probe")])[0]
+        try:
+            times = []
+            for i in range(3):
+                prompt = report.probe_prompt(2048, seed=i)
+                t = time.monotonic()
+                server.complete(prompt, 1)
+                times.append(time.monotonic() - t)
+            best = min(times)
+            self.prefill = {
+                "prefill_2048_s": [round(x, 3) for x in times],
+                "prefill_tokens_per_s_best": round(2048 / best, 1),
+            }
+            print(f"prefill of 2,048 tokens: {', '.join(f'{x:.2f}' for x in times)} s", flush=True)
+        finally:
+            server.stop()
+
+
+def reexec_in_netns() -> int:
+    """Runs this same command again inside a new private network namespace with loopback up."""
+    script = 'ip link set lo up && exec "$0" "$@"'
+    command = ["unshare", "-n", "--", "bash", "-c", script, sys.executable, *sys.argv]
+    return subprocess.run(command, check=False).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="cross-engine only, all four systems, a small load"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per run (default: 8 quick, 24 full)"
+    )
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--scenarios", default="cross-engine,capacity,spec,mismatch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG to draw (default: none)")
+    parser.add_argument("--models", type=Path, default=None, help="where the random models are built/reused")
+    parser.add_argument("--workdir", type=Path, default=None, help="logs and configs (default: a temp dir)")
+    args = parser.parse_args()
+    if not in_private_netns():
+        return reexec_in_netns()
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    started = time.monotonic()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.models is None:
+        args.models = Path(tempfile.gettempdir()) / "kvtag-bench-serve-models"
+    print(f"logs in {work}", flush=True)
+    bench = Bench(args, work)
+    systems = tuple(s for s in args.systems.split(",") if s)
+    scenarios = args.scenarios.split(",")
+    if args.quick:
+        requests = args.requests or 8
+        load = prefix_repetition(
+            requests, prefixes=max(1, requests // 2), prefix_len=1024, suffix_len=128, output_len=16
+        )
+        bench.cross_engine(load, [CLOSED], systems)
+    else:
+        requests = args.requests or 24
+        bench.measure_prefill()
+        repetition = prefix_repetition(
+            requests, prefixes=requests // 4, prefix_len=2048, suffix_len=256, output_len=32
+        )
+        chat = multi_turn(
+            work / "multi_turn.jsonl",
+            conversations=requests // 4,
+            turns=4,
+            system_words=400,
+            turn_words=60,
+            output_len=32,
+        )
+        if "cross-engine" in scenarios:
+            bench.cross_engine(repetition, [("2", None), CLOSED], systems)
+            bench.cross_engine(chat, [CLOSED], systems)
+        if "capacity" in scenarios:
+            many = prefix_repetition(
+                requests * 2, prefixes=requests // 2, prefix_len=1024, suffix_len=128, output_len=16
+            )
+            bench.capacity(many, blocks=96, systems=systems)
+        if "spec" in scenarios:
+            bench.speculative(chat)
+        if "mismatch" in scenarios:
+            bench.mismatch(chat)
+    document = bench.document()
+    document["duration_s"] = round(time.monotonic() - started, 1)
+    args.out.write_text(json.dumps(document, indent=1) + "\n")
+    print(report.table(document), flush=True)
+    if args.plot is not None:
+        report.plot(document, args.plot)
+    print(f"bench-serve took {document['duration_s']:.0f} s; results in {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
