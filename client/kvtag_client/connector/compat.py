@@ -83,6 +83,12 @@ def worker_tp_rank(tp_size: int) -> int:
         return 0
 
 
+def sleep_hooks_called() -> bool:
+    """Whether this vLLM's GPU worker calls unregister_kv_caches before sleep and restore_kv_caches
+    after wake-up (0.33+). 0.32 has no such hooks: a connector there cannot follow sleep's remap."""
+    return series() >= (0, 33)
+
+
 def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
     """Mamba align-mode boundary states the core hands off this step (read inside build_connector_meta).
 

@@ -257,6 +257,23 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    # ---- sleep mode (vLLM 0.33+) ---------------------------------------------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """True where vLLM calls unregister/restore_kv_caches around sleep (compat.sleep_hooks_called)."""
+        return compat.sleep_hooks_called()
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: the worker forgets its views of the KV memory sleep is about to free."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the worker's saves and loads use the runner's (remapped) KV tensors again."""
+        if self._worker is not None:
+            self._worker.restore()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is None or not self.has_connector_metadata():
             return

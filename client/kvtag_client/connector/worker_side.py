@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,9 @@ class WorkerSide:
         self._client = client_getter
         self._stats = stats
         self._views: list[list[LayerView]] = []
+        # Sleep mode: while unregistered, weak references to the registered tensors (the runner keeps
+        # them; cuMem remaps their memory at wake-up) and no view of them.
+        self._asleep: dict[str, Any] | None = None
         self.saver = Saver(client_getter, stats, max_pending_save_bytes, save_batch_blocks, audit)
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
@@ -54,6 +58,42 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, Any]) -> None:
         group_layers = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
         self._views = layer_views(kv_caches, group_layers, int(self._kv_cache_config.num_blocks))
+        self._asleep = None
+
+    # ---- sleep mode ----------------------------------------------------------------------------
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._views)
+
+    def unregister(self) -> None:
+        """Before sleep frees the KV memory: forget every view of it (idempotent). Jobs already with the
+        saver hold host copies, not KV memory, so they are committed as usual."""
+        if self._asleep is not None or not self._views:
+            return
+        self._asleep = {view.name: weakref.ref(view.tensor) for views in self._views for view in views}
+        self._views = []
+        self._started = None
+
+    def restore(self) -> bool:
+        """After wake-up: views over the runner's KV tensors again (idempotent). False, and the worker
+        stays unregistered (saves dropped, loads failed: recomputed), if the runner let them go."""
+        if self._asleep is None:
+            return True
+        tensors = {name: ref() for name, ref in self._asleep.items()}
+        missing = sorted(name for name, tensor in tensors.items() if tensor is None)
+        if missing:
+            logger.error(
+                "kvtag: the KV caches registered before sleep are gone (%s...); this worker neither "
+                "saves nor loads until register_kv_caches is called again",
+                missing[0],
+            )
+            return False
+        caches = _regroup(tensors)
+        group_layers = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
+        self._views = layer_views(caches, group_layers, int(self._kv_cache_config.num_blocks))
+        self._asleep = None
+        return True
 
     # ---- per step ------------------------------------------------------------------------------
 
@@ -82,6 +122,8 @@ class WorkerSide:
 
     def _save(self, job: SaveJob) -> None:
         transfers = [t for t in job.blocks if t.group < len(self._views) and self._views[t.group]]
+        if self._asleep is not None and job.blocks:
+            self._stats.add("dropped_saves", len(job.blocks))  # asleep: no KV memory to read
         client = self._client()
         if transfers and client.data_path == "shared_memory":
             self._save_shared(job.req_id, transfers, client)
@@ -179,3 +221,11 @@ class WorkerSide:
 
     def close(self) -> None:
         self.saver.close()
+
+
+def _regroup(tensors: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """{"layer[i]": tensor} (LayerView names) back to {"layer": [tensors in index order]}."""
+    caches: dict[str, list[Any]] = {}
+    for name in sorted(tensors, key=lambda n: (n.rsplit("[", 1)[0], int(n.rsplit("[", 1)[1][:-1]))):
+        caches.setdefault(name.rsplit("[", 1)[0], []).append(tensors[name])
+    return caches
