@@ -220,7 +220,8 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
         if not answer.next_page_token:
             break
         request.page_token = answer.next_page_token
-    time.sleep(retention_s + 5)  # sessions expire, then the window passes
+    # Sessions expire, the window passes, and the next sweep (every quarter window, at most 30 s) runs.
+    time.sleep(retention_s + min(30.0, retention_s / 4) + 5)
     after = server.rss()[0]
     listed = server.stub.Diagnose(pb.DiagnoseRequest(), timeout=60).total_namespaces
     return {
@@ -248,10 +249,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--abandon", type=int, default=20_000)
-    parser.add_argument("--census-retention", default="5s")
+    parser.add_argument("--census-retention", default="5s", help="the fuzz's window (seconds)")
+    parser.add_argument(
+        "--abandon-retention", default="90s", help="the abandon phase's window: longer than opening takes"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "soak_control_plane.json"))
     args = parser.parse_args()
-    retention_s = int(args.census_retention.rstrip("s"))
     documented = [
         "--capacity",
         "32MiB",
@@ -272,7 +275,9 @@ def main() -> int:
         print(json.dumps({k: v for k, v in result["fuzz"].items() if k != "curve"}, indent=1))
     if args.abandon:
         wide = [
-            *documented,
+            *documented[:-2],
+            "--census-retention",
+            args.abandon_retention,
             "--max-namespaces",
             str(args.abandon + 1000),
             "--max-namespaces-per-tenant",
@@ -284,7 +289,7 @@ def main() -> int:
         ]
         server = Server(wide)
         try:
-            result["abandon"] = abandon(server, args.abandon, retention_s)
+            result["abandon"] = abandon(server, args.abandon, int(args.abandon_retention.rstrip("s")))
         finally:
             server.stop()
         print(json.dumps(result["abandon"], indent=1))

@@ -279,7 +279,9 @@ def test_hit_rate_if_aligned_counts_mode_mismatches_and_cross_mode_misses(make_s
     )
     assert hit_rate_if_aligned(counters) == pytest.approx(6 / 7)
     source = StatusSource(
-        store.server.service.census.report, store.backend.stats, HitRateHistory(lambda: report)
+        store.server.service.census.report,
+        store.backend.stats,
+        HitRateHistory(store.server.service.census.report),
     )
     (ns_doc,) = source.document(View.everything())["namespaces"]
     (mode_doc,) = [m for m in ns_doc["modes"] if m["mode_id"] == consumer.mode_id]
