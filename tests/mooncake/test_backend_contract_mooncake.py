@@ -9,12 +9,12 @@ from kvtag_store.backends.mooncake.census import MooncakeCensus
 from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_key
 
-from tests.contract.backend_contract import BackendContract, Pair
+from tests.contract.backend_contract import MODE_A, BackendContract, Pair
 
 
 def corrupt_object(raw_client: MooncakeClient, namespace_id: str, address: BlockAddress) -> None:
     """Flip one payload byte of a stored block behind kvtag's back (an injected fault)."""
-    mkey = object_key(namespace_id, *address)
+    mkey = object_key(namespace_id, MODE_A, *address)
     value = bytearray(raw_client.get(mkey))
     assert value, "the block to corrupt is not stored"
     value[HEADER_BYTES] ^= 0xFF

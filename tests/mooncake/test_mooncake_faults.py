@@ -59,8 +59,8 @@ def test_value_copied_under_another_key_is_never_served(
 ) -> None:
     ns = "ns-" + uuid.uuid4().hex[:16]
     assert mooncake_backend.put(ns, MODE, addr("a"), b"bytes of block a").outcome is PutOutcome.STORED
-    stolen = raw_client.get(object_key(ns, *addr("a")))
-    assert raw_client.put(object_key(ns, *addr("b")), stolen) == 0
+    stolen = raw_client.get(object_key(ns, MODE, *addr("a")))
+    assert raw_client.put(object_key(ns, MODE, *addr("b")), stolen) == 0
     [result] = mooncake_backend.get(ns, MODE, [addr("b")])
     assert result.status is KeyStatus.MISS and result.value is None
 
@@ -69,33 +69,28 @@ def test_damaged_header_is_a_miss_and_is_dropped(
     mooncake_backend: MooncakeBackend, raw_client: MooncakeClient
 ) -> None:
     ns = "ns-" + uuid.uuid4().hex[:16]
-    for name in ("seen", "unseen"):
+    names = ("tag", "length")
+    for name in names:
         assert mooncake_backend.put(ns, MODE, addr(name), b"payload").outcome is PutOutcome.STORED
-    damaged: dict[str, bytes] = {}
-    for name in ("seen", "unseen"):
-        mkey = object_key(ns, *addr(name))
+    for name, offset in zip(names, (10, 90), strict=True):  # inside the mode tag / the payload length
+        mkey = object_key(ns, MODE, *addr(name))
         stored = bytearray(raw_client.get(mkey))
-        stored[10] ^= 0x01  # inside the mode tag
-        damaged[name] = bytes(stored)
+        assert len(stored) == HEADER_BYTES + len(b"payload")
+        stored[offset] ^= 0x01
         raw_client.batch_remove([mkey], True)
-    # "unseen" goes away and comes back damaged while this service sees it absent, so its tag is
-    # forgotten and the Lookup reads the header; "seen" is damaged behind the service's back.
-    assert mooncake_backend.lookup(ns, MODE, [addr("unseen")]) == [KeyStatus.MISS]
-    for name, value in damaged.items():
-        assert raw_client.put(object_key(ns, *addr(name)), value) == 0
+        assert raw_client.put(mkey, bytes(stored)) == 0
+    # A Lookup answers from existence alone; the Get reads each header, refuses and drops it.
+    blocks = [addr(name) for name in names]
+    assert mooncake_backend.lookup(ns, MODE, blocks) == [KeyStatus.HIT] * 2
     before = mooncake_backend.stats().corrupted_dropped
-    assert mooncake_backend.lookup(ns, MODE, [addr("unseen")]) == [KeyStatus.MISS]
-    assert mooncake_backend.stats().corrupted_dropped == before + 1
-    # A tag seen before answers the Lookup (mode_cache); the Get reads the header and drops it.
-    [result] = mooncake_backend.get(ns, MODE, [addr("seen")])
-    assert result.status is KeyStatus.MISS and result.value is None
+    results = mooncake_backend.get(ns, MODE, blocks)
+    assert [(r.status, r.value) for r in results] == [(KeyStatus.MISS, None)] * 2
     assert mooncake_backend.stats().corrupted_dropped == before + 2
-    assert mooncake_backend.lookup(ns, MODE, [addr("seen"), addr("unseen")]) == [KeyStatus.MISS] * 2
-    for name in damaged:
-        assert raw_client.batch_is_exist([object_key(ns, *addr(name))]) == [0]
+    assert mooncake_backend.lookup(ns, MODE, blocks) == [KeyStatus.MISS] * 2
+    for name in names:
+        assert raw_client.batch_is_exist([object_key(ns, MODE, *addr(name))]) == [0]
         # A correct put can take the dropped value's place.
         assert mooncake_backend.put(ns, MODE, addr(name), b"payload").outcome is PutOutcome.STORED
-    assert len(damaged["seen"]) == HEADER_BYTES + len(b"payload")
 
 
 def test_killed_storage_process_gives_misses_never_wrong_bytes(
@@ -152,6 +147,7 @@ def test_get_of_many_blocks_on_a_killed_storage_process_waits_one_transfer_timeo
         blocks = [addr(f"k{i}") for i in range(16)]
         outcomes = backend.put_many(ns, MODE, [(a, bytes([i]) * 4096) for i, a in enumerate(blocks)])
         assert {r.outcome for r in outcomes} == {PutOutcome.STORED}
+        client.reads.clear()  # the put read its mode-directory slot back
         own_cluster.kill_storage()
         started = time.monotonic()
         results = backend.get(ns, MODE, blocks)

@@ -66,7 +66,7 @@ def test_a_damaged_value_is_a_miss_and_dropped(
     payload = bytes(range(256)) * 64
     assert mooncake_backend.put(ns, MODE, addr("k"), payload).outcome is PutOutcome.STORED
     assert mooncake_backend.put(ns, MODE, addr("o"), payload[::-1]).outcome is PutOutcome.STORED
-    mkey = object_key(ns, *addr("k"))
+    mkey = object_key(ns, MODE, *addr("k"))
     stored = bytearray(raw_client.get(mkey))
     if damage == "flip a payload byte":
         stored[HEADER_BYTES + 1000] ^= 0x40
@@ -75,7 +75,7 @@ def test_a_damaged_value_is_a_miss_and_dropped(
     elif damage == "drop the last byte":
         del stored[-1]
     else:
-        stored[HEADER_BYTES:] = raw_client.get(object_key(ns, *addr("o")))[HEADER_BYTES:]
+        stored[HEADER_BYTES:] = raw_client.get(object_key(ns, MODE, *addr("o")))[HEADER_BYTES:]
     replant(raw_client, mkey, bytes(stored))
     before = mooncake_backend.stats().corrupted_dropped
     [result] = mooncake_backend.get(ns, MODE, [addr("k")])

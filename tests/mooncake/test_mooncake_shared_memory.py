@@ -188,7 +188,7 @@ def test_stored_blocks_are_answered_at_reserve_and_a_wrong_mode_gets_no_referenc
 def test_a_corrupted_value_is_a_miss_and_dropped(staged: MooncakeBackend, raw_client: MooncakeClient) -> None:
     ns = "ns-" + uuid.uuid4().hex[:16]
     assert write(staged, ns, MODE, [(addr("k"), bytes(4096))]) == [PutOutcome.STORED]
-    mkey = object_key(ns, *addr("k"))
+    mkey = object_key(ns, MODE, *addr("k"))
     damaged = bytearray(raw_client.get(mkey))
     damaged[-1] ^= 0x01  # a payload byte: only the CRC tells
     raw_client.batch_remove([mkey], True)

@@ -6,10 +6,13 @@ import pytest
 from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,
     FormatError,
+    census_key,
     decode_header,
     decode_record,
+    directory_key,
     encode_header,
     encode_record,
+    legacy_object_key,
     object_key,
     object_keys,
     verify_payload,
@@ -60,14 +63,27 @@ def test_value_read_at_another_address_is_refused(ns: str, group: int, key: byte
         decode_header(stored(), ns, group, key)
 
 
-def test_object_key_names_namespace_and_group_but_not_mode() -> None:
-    assert object_key(NS, 3, KEY) == f"kvtag/v1/{NS}/g3/016b6579"
+def test_object_key_names_namespace_mode_and_group() -> None:
+    assert object_key(NS, MODE, 3, KEY) == f"kvtag/v2/{NS}/{MODE}/g3/016b6579"
+    # A mode with a "/" cannot make two addresses share a key (read from the right).
+    assert object_key(NS, "a/g3", 3, KEY) == f"kvtag/v2/{NS}/a%2Fg3/g3/016b6579"
+    assert object_key(NS, MODE, 3, KEY) != object_key(NS, "m-other", 3, KEY)
+    assert directory_key(NS, 2) == f"kvtag/v2/{NS}/modes/2"
+    # Blocks an older version wrote lived under v1 without the mode; census records still do.
+    assert legacy_object_key(NS, 3, KEY) == f"kvtag/v1/{NS}/g3/016b6579"
+    assert census_key(NS, "mode") == f"kvtag/v1/census/{NS}/mode"
+
+
+def test_a_value_read_under_another_modes_key_is_refused() -> None:
+    assert decode_header(stored(), NS, 3, KEY, MODE).mode_id == MODE
+    with pytest.raises(FormatError, match="under mode m-other's key"):
+        decode_header(stored(), NS, 3, KEY, "m-other")
 
 
 def test_object_keys_of_a_batch_are_each_object_key() -> None:
     addresses = [(0, b"a"), (3, KEY), (0, b""), (12, b"\xff" * 32), (3, b"a")]
-    assert object_keys(NS, addresses) == [object_key(NS, g, k) for g, k in addresses]
-    assert object_keys(NS, []) == []
+    assert object_keys(NS, MODE, addresses) == [object_key(NS, MODE, g, k) for g, k in addresses]
+    assert object_keys(NS, MODE, []) == []
 
 
 def test_census_record_checksum_guards_its_body() -> None:

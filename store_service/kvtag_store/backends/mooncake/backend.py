@@ -4,7 +4,7 @@ Every value carries the header of `mooncake.format`, so any replica (or a restar
 verify a value without this process's memory. `MooncakeBackend` is a facade over the paths that
 do the work: `reads` (lookups and Gets), `writes` (puts, each judged by the header it left),
 `shared_memory` (staging slots for same-host clients) and `leases` (Mooncake leases on pinned
-blocks), all sharing one `cluster.Cluster` (client, header reader, mode cache, health).
+blocks), all sharing one `cluster.Cluster` (client, header reader, mode directory, health).
 """
 
 from __future__ import annotations
@@ -84,8 +84,7 @@ class MooncakeBackend:
     # -- reads --------------------------------------------------------------
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
-        """The master says which blocks exist; their tags come from the mode cache, headers are read
-        only for blocks this service has not seen (see mode_cache)."""
+        """Existence checks alone: the mode is in the object key (see mooncake.modes)."""
         return self._reads.lookup(namespace_id, mode_id, addresses)
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
@@ -139,14 +138,20 @@ class MooncakeBackend:
 
     def pin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         # The lookup that found these blocks already took Mooncake leases; the keeper renews them.
-        self._leases.pin(object_keys(namespace_id, addresses))
+        self._leases.pin(self._leased_keys(namespace_id, addresses))
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
         if addresses and isinstance(addresses[0], StagedAddress):
             # A shared-memory Get's lease: its slots (the blocks were never pinned in Mooncake).
             self._shared.release(addresses)
             return
-        self._leases.unpin(object_keys(namespace_id, addresses))
+        self._leases.unpin(self._leased_keys(namespace_id, addresses))
+
+    def _leased_keys(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> list[str]:
+        """The blocks' keys in every mode known for the namespace (pin names no mode; modes are only
+        added, so an unpin names at least what its pin did)."""
+        modes = self._cluster.modes.known(namespace_id)
+        return [k for mode in modes for k in object_keys(namespace_id, mode, addresses)]
 
     # -- reporting ----------------------------------------------------------
 
@@ -158,7 +163,8 @@ class MooncakeBackend:
             backend=self.name,
             capacity_bytes=int(metrics.get("master_total_capacity_bytes", 0)),
             used_bytes=int(metrics.get("master_allocated_bytes", 0)),
-            keys=int(metrics.get("master_key_count", 0)),
+            # The directory slots this replica knows are objects too, not blocks.
+            keys=int(metrics.get("master_key_count", 0)) - self._cluster.modes.entries,
             evictions=int(metrics.get("master_evicted_key_count", 0)),
             leased_keys=self._leases.count(),
             corrupted_dropped=self._cluster.corrupted,

@@ -33,10 +33,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
-from kvtag_store.backends.mooncake.client import MooncakeClient
+from kvtag_store.backends.mooncake.client import MooncakeClient, pinned_config
 from kvtag_store.backends.mooncake.errors import MooncakeCode, describe
 from kvtag_store.backends.mooncake.format import FormatError, census_key, decode_record, encode_record
 
@@ -86,7 +85,7 @@ class MooncakeCensus:
     def __init__(self, client: MooncakeClient, master: str) -> None:
         self._client = client
         self._master = master
-        self._config = _census_config()
+        self._config = pinned_config()
         self._lock = threading.Lock()
         # Records this replica has read or written, by Mooncake key: what it restores.
         self._known: dict[str, _Record] = {}
@@ -242,14 +241,3 @@ class MooncakeCensus:
         self._beacon_seen = True
         for key, known in self._known_copy().items():
             self._reconcile(key, known)
-
-
-def _census_config() -> Any:
-    """Census records must never be evicted (a forgotten strict mode would let another mode win),
-    and a second copy on another storage node survives the loss of one."""
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.with_hard_pin = True
-    config.replica_num = 2
-    return config

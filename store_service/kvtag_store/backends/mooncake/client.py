@@ -87,6 +87,18 @@ def connect(settings: MooncakeSettings) -> MooncakeClient:
     return client  # type: ignore[no-any-return]
 
 
+def pinned_config() -> Any:
+    """How kvtag's own records are put (census records, mode-directory slots): never evicted (a
+    forgotten record would let another mode win), and a second copy on another storage node
+    survives the loss of one."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.with_hard_pin = True
+    config.replica_num = 2
+    return config
+
+
 def _probe_master(master: str, timeout_s: float = 3.0) -> None:
     """Fail in milliseconds when nothing listens at the master address: Mooncake's setup would
     retry for about a minute and a half before giving up."""

@@ -1,8 +1,9 @@
 """The Mooncake cluster as the backend's read, write and shared-memory paths all see it.
 
-`Cluster` bundles what they share (the client, the header reader, the mode cache, the breaker,
-suspect processes and counters) with the two calls every path makes: which objects exist, and
-dropping a value that failed verification.
+`Cluster` bundles what they share (the client, the header reader, the mode directory, the
+breaker, suspect processes and counters) with the calls every path makes: which blocks exist in
+a mode and which other mode holds the rest (existence checks only), and dropping a value that
+failed verification.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from kvtag_store.backends.base import BackendUnavailable
+from kvtag_store.backends.base import BackendUnavailable, BlockAddress
 from kvtag_store.backends.mooncake.client import MooncakeClient, MooncakeSettings
 from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
-from kvtag_store.backends.mooncake.format import HEADER_BYTES
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_keys
 from kvtag_store.backends.mooncake.health import MasterBreaker, SuspectProcesses
-from kvtag_store.backends.mooncake.mode_cache import ModeCache
+from kvtag_store.backends.mooncake.modes import ModeDirectory
 
 # Header reads per get_into_ranges call; the registered arena holds this many headers.
 HEADER_SLOTS = 1024
@@ -58,6 +60,15 @@ class HeaderReader:
         self._client.unregister_buffer(self._ptr)
 
 
+class Presence(NamedTuple):
+    """Blocks of one call: their object keys in the asked mode, whether each exists there, and
+    for the others the mode that holds it (None: no mode does)."""
+
+    mkeys: list[str]
+    present: list[bool]
+    holders: list[str | None]
+
+
 class Cluster:
     """The client and what every path of the backend shares over it."""
 
@@ -68,7 +79,7 @@ class Cluster:
         self.breaker = MasterBreaker(settings.master, self.errors)
         self.suspects = SuspectProcesses()
         self.headers = HeaderReader(client)
-        self.tags = ModeCache()
+        self.modes = ModeDirectory(client, self.exists)
         self._count_lock = threading.Lock()
         self._corrupted = 0
 
@@ -89,9 +100,53 @@ class Cluster:
         self.breaker.screen(exists, what, master_down=(MooncakeCode.RPC_FAIL, -1))
         return exists
 
+    def presence(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], what: str, *, writing: bool
+    ) -> Presence:
+        """Which blocks exist in mode_id, and which other mode holds each of the rest: one existence
+        check with the directory probed in it, and a second for the other modes' keys only when
+        the namespace has other modes and some blocks are not there in this one."""
+        mkeys = object_keys(namespace_id, mode_id, addresses)
+        probe = self.modes.probe(namespace_id)
+        codes = self.exists(mkeys + probe.keys, what)
+        self.modes.notice(namespace_id, probe, codes[len(mkeys) :], writing=writing)
+        present = [code == 1 for code in codes[: len(mkeys)]]
+        absent = [i for i, here in enumerate(present) if not here]
+        holders: list[str | None] = [None] * len(mkeys)
+        if absent and self.modes.others(namespace_id, mode_id):
+            found = self.other_holders(
+                namespace_id, mode_id, [addresses[i] for i in absent], what, writing=writing
+            )
+            for i, holder in zip(absent, found, strict=True):
+                holders[i] = holder
+        return Presence(mkeys, present, holders)
+
+    def other_holders(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], what: str, *, writing: bool
+    ) -> list[str | None]:
+        """For each block, a mode other than mode_id that holds it (None if none does), the
+        directory probed in the same existence check and read again if it changed."""
+        for attempt in range(2):
+            probe = self.modes.probe(namespace_id)
+            others = self.modes.others(namespace_id, mode_id)
+            keys = [k for other in others for k in object_keys(namespace_id, other, addresses)]
+            if not keys and not writing:
+                return [None] * len(addresses)
+            codes = self.exists(keys + probe.keys, what)
+            changed = self.modes.notice(namespace_id, probe, codes[len(keys) :], writing=writing)
+            if changed and attempt == 0:
+                continue  # read again: a mode registered meanwhile may hold some of them
+            holders: list[str | None] = [None] * len(addresses)
+            n = len(addresses)
+            for j, other in enumerate(others):
+                for i in range(n):
+                    if holders[i] is None and codes[j * n + i] == 1:
+                        holders[i] = other
+            return holders
+        raise AssertionError("unreachable")
+
     def drop_corrupt(self, keys: Sequence[str]) -> None:
         """Remove values that fail verification so a correct put can take their place."""
         with self._count_lock:
             self._corrupted += len(keys)
-        self.tags.forget(keys)
         self.client.batch_remove(list(keys), True)

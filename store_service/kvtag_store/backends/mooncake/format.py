@@ -1,10 +1,11 @@
-"""How kvtag lays its blocks out in Mooncake: readable object keys and a fixed value header.
+"""How kvtag lays its blocks out in Mooncake: object keys that name the mode, and a fixed value header.
 
-Mooncake keys are opaque strings with no metadata, so everything kvtag must
-verify travels in the value: a 100-byte header (magic, format version, mode
-tag, namespace digest, group, key digest, payload length, writer nonce, payload
-CRC-32, header CRC-32) followed by the payload. Pure Python, importable without
-the Mooncake wheel, so the format is unit-tested on its own.
+A block's object key names its namespace, mode, group and key, so an existence check alone says
+whether a block is there in a given mode (Mooncake keys carry no metadata, and reading anything
+of a value costs a transfer per object). Everything kvtag must verify at read time still travels
+in the value: a 100-byte header (magic, format version, mode tag, namespace digest, group, key
+digest, payload length, writer nonce, payload CRC-32, header CRC-32) followed by the payload.
+Pure Python, importable without the Mooncake wheel, so the format is unit-tested on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import quote
 
 MAGIC = b"KVTG"
 FORMAT_VERSION = 1
@@ -23,7 +25,10 @@ _HEADER = struct.Struct(">4sHH32s16sI16sQ8sII")
 MAX_MODE_ID_BYTES = 32
 HEADER_BYTES = _HEADER.size
 _CRC_OFFSET = HEADER_BYTES - 4
-KEY_PREFIX = "kvtag/v1"
+# Blocks live under v2 (the mode in the key); census records keep their v1 keys. Blocks an older
+# version wrote under kvtag/v1/<namespace>/g<group>/<key> are never looked at (docs/mooncake.md).
+KEY_PREFIX = "kvtag/v2"
+CENSUS_PREFIX = "kvtag/v1"
 
 
 class FormatError(ValueError):
@@ -40,26 +45,42 @@ class Header:
     payload_crc: int
 
 
-def object_key(namespace_id: str, group: int, key: bytes) -> str:
-    """The Mooncake key of a block. The mode is deliberately not part of it: one address holds one
-    tag, so a second mode's put of the same key collides and is detected as a conflict."""
-    return f"{KEY_PREFIX}/{namespace_id}/g{group}/{key.hex()}"
+def object_key(namespace_id: str, mode_id: str, group: int, key: bytes) -> str:
+    """The Mooncake key of a block in one mode. Read from the right it is unambiguous (the key is
+    hex, the group g<digits>, the mode has no "/"), so two blocks never share an object key."""
+    return f"{KEY_PREFIX}/{namespace_id}/{_mode_part(mode_id)}/g{group}/{key.hex()}"
 
 
-def object_keys(namespace_id: str, addresses: Iterable[tuple[int, bytes]]) -> list[str]:
+def object_keys(namespace_id: str, mode_id: str, addresses: Iterable[tuple[int, bytes]]) -> list[str]:
     """object_key of each (group, key), the prefix built once per group: a Lookup keys thousands."""
     prefixes: dict[int, str] = {}
+    mode = _mode_part(mode_id)
     out: list[str] = []
     for group, key in addresses:
         prefix = prefixes.get(group)
         if prefix is None:
-            prefix = prefixes[group] = f"{KEY_PREFIX}/{namespace_id}/g{group}/"
+            prefix = prefixes[group] = f"{KEY_PREFIX}/{namespace_id}/{mode}/g{group}/"
         out.append(prefix + key.hex())
     return out
 
 
+def directory_key(namespace_id: str, slot: int) -> str:
+    """Slot `slot` of a namespace's mode directory (mooncake.modes). Its second-last part is
+    "modes", never g<digits>, so it is never a block's key."""
+    return f"{KEY_PREFIX}/{namespace_id}/modes/{slot}"
+
+
+def legacy_object_key(namespace_id: str, group: int, key: bytes) -> str:
+    """Where a version before the mode-in-key layout kept a block (ignored now; tests write there)."""
+    return f"{CENSUS_PREFIX}/{namespace_id}/g{group}/{key.hex()}"
+
+
+def _mode_part(mode_id: str) -> str:
+    return quote(mode_id, safe="-._~")
+
+
 def census_key(namespace_id: str, record: str) -> str:
-    return f"{KEY_PREFIX}/census/{namespace_id}/{record}"
+    return f"{CENSUS_PREFIX}/census/{namespace_id}/{record}"
 
 
 def key_digest(key: bytes) -> bytes:
@@ -99,8 +120,11 @@ def encode_header(
     return body[:_CRC_OFFSET] + struct.pack(">I", zlib.crc32(body[:_CRC_OFFSET]))
 
 
-def decode_header(raw: bytes | memoryview, namespace_id: str, group: int, key: bytes) -> Header:
-    """Parse and check a header against the address it was read from; raise FormatError otherwise."""
+def decode_header(
+    raw: bytes | memoryview, namespace_id: str, group: int, key: bytes, mode_id: str | None = None
+) -> Header:
+    """Parse and check a header against the address it was read from (and the mode whose key it
+    was read under, if given); raise FormatError otherwise."""
     if len(raw) < HEADER_BYTES:
         raise FormatError(f"value is {len(raw)} bytes, shorter than the {HEADER_BYTES}-byte header")
     magic, version, length, mode, ns, grp, digest, size, nonce, crc, header_crc = _HEADER.unpack_from(raw)
@@ -112,7 +136,10 @@ def decode_header(raw: bytes | memoryview, namespace_id: str, group: int, key: b
         raise FormatError("header checksum mismatch")
     if ns != namespace_digest(namespace_id) or grp != group or digest != key_digest(key):
         raise FormatError("value belongs to another block address")
-    return Header(mode.rstrip(b"\0").decode("ascii"), grp, digest, size, nonce, crc)
+    stored_mode = mode.rstrip(b"\0").decode("ascii")
+    if mode_id is not None and stored_mode != mode_id:
+        raise FormatError(f"value of mode {stored_mode} under mode {mode_id}'s key")
+    return Header(stored_mode, grp, digest, size, nonce, crc)
 
 
 def verify_payload(header: Header, value: bytes) -> memoryview:

@@ -1,4 +1,4 @@
-"""The Mooncake backend's reads: lookups from the master and the mode cache, and whole-value reads.
+"""The Mooncake backend's reads: lookups from existence checks alone, and whole-value reads.
 
 A storage process that died makes a read fail at once (connection refused) or wait out
 Mooncake's transfer timeout (about 1 s) whatever the number of keys, while the master still
@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtag_store.backends.base import BlockAddress, KeyStatus, ReadResult
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
-from kvtag_store.backends.mooncake.format import (
-    HEADER_BYTES,
-    FormatError,
-    decode_header,
-    object_keys,
-    verify_payload,
-)
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, FormatError, decode_header, verify_payload
 from kvtag_store.backends.mooncake.staging import Staged
 
 # A Get that met a dead storage process starts no new read past this; a read that failed after
@@ -35,6 +29,16 @@ _MISSING = MooncakeCode.OBJECT_NOT_FOUND
 Located = tuple[int, int, frozenset[str]]
 
 
+class Found(NamedTuple):
+    """Blocks of one Get located: object keys, the readable ones, how many sit only on suspect
+    processes, and per block the other mode holding it (None: none)."""
+
+    mkeys: list[str]
+    located: list[Located]
+    on_suspects: int
+    holders: list[str | None]
+
+
 class Reads:
     """Lookups and Gets over the cluster; a value that fails verification is dropped and a miss."""
 
@@ -43,103 +47,57 @@ class Reads:
         self._client = cluster.client
 
     def lookup(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[KeyStatus]:
-        """The master says which blocks exist (one call, which also takes Mooncake's read lease); their
-        tags come from the mode cache, and only blocks this service has not seen have their headers
-        read. See mode_cache for what a stale tag can and cannot do."""
+        """Existence checks alone: a block is a HIT if its key in this mode exists, MODE_MISMATCH if
+        its key in another mode of the namespace's directory does (Cluster.presence). The checks
+        also take Mooncake's read lease. No header is read: a Get checks the one it serves."""
         if not addresses:
             return []
         self._cluster.breaker.check("looking up")
-        mkeys = object_keys(namespace_id, addresses)
-        exists = self._cluster.exists(mkeys, "looking blocks up")
-        statuses = [KeyStatus.MISS] * len(mkeys)
-        present = [i for i, code in enumerate(exists) if code == 1]
-        tags = self._cluster.tags
-        if len(present) < len(mkeys):
-            tags.forget([mkeys[i] for i, code in enumerate(exists) if code != 1])
-        unseen: list[int] = []
-        for i, tag in zip(present, tags.modes([mkeys[i] for i in present]), strict=True):
-            if tag is None:
-                unseen.append(i)
-            else:
-                statuses[i] = KeyStatus.HIT if tag == mode_id else KeyStatus.MODE_MISMATCH
-        if unseen:
-            read = self._read_tags(
-                namespace_id, mode_id, [addresses[i] for i in unseen], [mkeys[i] for i in unseen]
-            )
-            for i, status in zip(unseen, read, strict=True):
-                statuses[i] = status
-        return statuses
-
-    def _read_tags(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], mkeys: list[str]
-    ) -> list[KeyStatus]:
-        """Statuses from the stored headers, their tags learnt; damaged ones dropped (MISS)."""
-        found = self._cluster.headers.read(mkeys)
-        statuses: list[KeyStatus] = []
-        corrupt: list[str] = []
-        seen: dict[str, str] = {}
-        for (group, key), mkey, raw in zip(addresses, mkeys, found, strict=True):
-            if isinstance(raw, int):
-                self._cluster.breaker.screen([raw], "looking blocks up", counted_unless=(_MISSING,))
-                if raw == MooncakeCode.BUFFER_OVERFLOW:
-                    corrupt.append(mkey)  # shorter than a header: not a kvtag value
-                statuses.append(KeyStatus.MISS)
-                continue
-            try:
-                header = decode_header(raw, namespace_id, group, key)
-            except FormatError:
-                corrupt.append(mkey)
-                statuses.append(KeyStatus.MISS)
-                continue
-            seen[mkey] = header.mode_id
-            statuses.append(KeyStatus.HIT if header.mode_id == mode_id else KeyStatus.MODE_MISMATCH)
-        self._cluster.tags.learn(list(seen), list(seen.values()))
-        if corrupt:
-            self._cluster.drop_corrupt(corrupt)
-        return statuses
+        found = self._cluster.presence(namespace_id, mode_id, addresses, "looking blocks up", writing=False)
+        return [
+            KeyStatus.HIT if here else KeyStatus.MODE_MISMATCH if holder else KeyStatus.MISS
+            for here, holder in zip(found.present, found.holders, strict=True)
+        ]
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         if not addresses:
             return []
         self._cluster.breaker.check("reading")
-        mkeys = object_keys(namespace_id, addresses)
-        values = self._fetch(mkeys)
+        found = self.locate(namespace_id, mode_id, addresses)
+        values = self._fetch(found)
         results: list[ReadResult] = []
         corrupt: list[str] = []
-        seen: dict[str, str] = {}
-        for (group, key), mkey, value in zip(addresses, mkeys, values, strict=True):
+        rows = zip(addresses, found.mkeys, values, found.holders, strict=True)
+        for (group, key), mkey, value, holder in rows:
             if not value:
-                results.append(ReadResult(KeyStatus.MISS))
+                results.append(ReadResult(KeyStatus.MODE_MISMATCH if holder else KeyStatus.MISS))
                 continue
             try:
-                header = decode_header(value, namespace_id, group, key)
-                seen[mkey] = header.mode_id
-                if header.mode_id != mode_id:
-                    results.append(ReadResult(KeyStatus.MODE_MISMATCH))
-                    continue
+                header = decode_header(value, namespace_id, group, key, mode_id)
                 payload = verify_payload(header, value)
             except FormatError:
                 corrupt.append(mkey)
                 results.append(ReadResult(KeyStatus.MISS))
                 continue
             results.append(ReadResult(KeyStatus.HIT, bytes(payload)))
-        self._cluster.tags.learn(list(seen), list(seen.values()))
         if corrupt:
             self._cluster.drop_corrupt(corrupt)
         return results
 
-    def locate(self, mkeys: list[str]) -> tuple[list[Located], int]:
-        """Where the existing objects of mkeys are, by the master's replica list, and how many are
-        held only by suspect storage processes (left out: a miss without the wait).
+    def locate(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> Found:
+        """Where the blocks stored in this mode are, by the master's replica list; which other mode
+        holds each of the rest; and how many are held only by suspect storage processes (left
+        out: a miss without the wait).
 
         get_batch returns b"" alike for a missing key, an unreachable storage process and a failed
         master (after seconds of retries), so an existence check comes first: it fails fast when
         the master is down and spares the transfer for misses.
         """
-        exists = self._cluster.exists(mkeys, "reading blocks")
-        present = [i for i, code in enumerate(exists) if code == 1]
+        presence = self._cluster.presence(namespace_id, mode_id, addresses, "reading blocks", writing=False)
+        mkeys = presence.mkeys
+        present = [i for i, here in enumerate(presence.present) if here]
         if not present:
-            return [], 0
+            return Found(mkeys, [], 0, presence.holders)
         placements = self._client.batch_get_replica_desc([mkeys[i] for i in present])
         suspects = self._cluster.suspects.current()
         located: list[Located] = []
@@ -150,9 +108,9 @@ class Reads:
                 on_suspects += 1
             elif size:
                 located.append((i, size, where))
-        return located, on_suspects
+        return Found(mkeys, located, on_suspects, presence.holders)
 
-    def _fetch(self, mkeys: list[str]) -> list[bytes]:
+    def _fetch(self, found: Found) -> list[bytes]:
         """Whole values of the keys that exist (b"" for the rest), within one deadline per Get.
 
         Reads go in chunks that fit the local buffer. A key that exists but reads empty is a
@@ -160,8 +118,9 @@ class Reads:
         once, a slow one never, and once one happened no new chunk starts past _GET_DEADLINE_S,
         so one Get costs at most about one transfer timeout.
         """
+        mkeys = found.mkeys
         values = [b""] * len(mkeys)
-        readable, failed = self.locate(mkeys)
+        readable, failed = found.located, found.on_suspects
         started = time.monotonic()
         for chunk in _chunks(readable, self._cluster.settings.local_buffer_bytes // 4):
             if failed and time.monotonic() - started > _GET_DEADLINE_S:

@@ -22,19 +22,11 @@ from kvtag_store.backends.base import (
 )
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
-from kvtag_store.backends.mooncake.format import (
-    HEADER_BYTES,
-    FormatError,
-    decode_header,
-    object_key,
-    object_keys,
-    payload_checksum,
-)
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, FormatError, decode_header, payload_checksum
 from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
 
-_ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
 # Spare slots would hold staging memory between puts that the reads also need: this backend
 # stages values only for the put that names them.
 NO_SPARES = PutResult(
@@ -74,28 +66,14 @@ class SharedMemoryHalf:
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
     ) -> list[SlotReference | PutResult]:
         """A staging slot per item, or the outcome already known. A block already stored answers
-        ALREADY_PRESENT or CONFLICT now (one existence check for the batch), so the client does
-        not copy it for nothing."""
+        ALREADY_PRESENT or CONFLICT now (existence checks, Writes.check), so the client does not
+        copy it for nothing."""
         if self._staging is None:
             return [_NO_STAGING] * len(items)
         self._cluster.breaker.check("storing")
-        out: list[SlotReference | PutResult | None] = [None] * len(items)
-        mkeys = [object_key(namespace_id, *address) for address, _ in items]
-        exists = self._cluster.exists(mkeys, "checking blocks before a put")
-        stored = [i for i, code in enumerate(exists) if code == 1]
-        for i, found in zip(stored, self._cluster.headers.read([mkeys[i] for i in stored]), strict=True):
-            if not isinstance(found, bytes):
-                continue  # gone meanwhile, or unreadable: the put will tell
-            try:
-                header = decode_header(found, namespace_id, *items[i][0])
-            except FormatError:
-                self._cluster.drop_corrupt([mkeys[i]])
-                continue
-            out[i] = (
-                _ALREADY_PRESENT
-                if header.mode_id == mode_id
-                else PutResult(PutOutcome.CONFLICT, f"key is held by mode {header.mode_id}")
-            )
+        out: list[SlotReference | PutResult | None] = list(
+            self._writes.check(namespace_id, mode_id, [address for address, _ in items])
+        )
         for i, (_, length) in enumerate(items):
             if out[i] is None:
                 out[i] = self._writes.too_large(length)
@@ -170,13 +148,16 @@ class SharedMemoryHalf:
         if not addresses or self._staging is None:
             return statuses, references, pinned
         self._cluster.breaker.check("reading")
-        mkeys = object_keys(namespace_id, addresses)
-        located, skipped = self._reads.locate(mkeys)
-        if skipped:
-            self._cluster.errors.add(MooncakeCode.TRANSFER_FAIL, skipped)
+        found = self._reads.locate(namespace_id, mode_id, addresses)
+        mkeys = found.mkeys
+        if found.on_suspects:
+            self._cluster.errors.add(MooncakeCode.TRANSFER_FAIL, found.on_suspects)
+        for i, holder in enumerate(found.holders):
+            if holder:
+                statuses[i] = KeyStatus.MODE_MISMATCH
         wanted: list[tuple[int, int, frozenset[str]]] = []
         corrupt: list[str] = []
-        for i, size, where in located:
+        for i, size, where in found.located:
             if size >= HEADER_BYTES:
                 wanted.append((i, size - HEADER_BYTES, where))
             else:
@@ -186,16 +167,11 @@ class SharedMemoryHalf:
             (i, where, staged) for (i, _, where), staged in zip(wanted, granted, strict=True) if staged
         ]
         kept: list[Staged] = []
-        seen: dict[str, str] = {}
         try:
             for i, staged in self._reads.into_slots(mkeys, reading):
                 group, key = addresses[i]
                 try:
-                    header = decode_header(staged.header(), namespace_id, group, key)
-                    seen[mkeys[i]] = header.mode_id
-                    if header.mode_id != mode_id:
-                        statuses[i] = KeyStatus.MODE_MISMATCH
-                        continue
+                    header = decode_header(staged.header(), namespace_id, group, key, mode_id)
                     if header.payload_bytes != staged.length or (
                         payload_checksum(staged.payload()) != header.payload_crc
                     ):
@@ -210,7 +186,6 @@ class SharedMemoryHalf:
         finally:
             held = {staged.generation for staged in kept}
             self._staging.free([staged for _, _, staged in reading if staged.generation not in held])
-        self._cluster.tags.learn(list(seen), list(seen.values()))
         if corrupt:
             self._cluster.drop_corrupt(corrupt)
         return statuses, references, pinned

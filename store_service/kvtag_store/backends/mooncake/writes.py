@@ -1,8 +1,12 @@
 """The Mooncake backend's puts: inline values (one or a batch) and values staged in shared memory.
 
-Mooncake's put keeps an existing value and still returns 0, so every put path reads the stored
-header back and `Writes._judge` alone says what happened: only our own writer nonce proves a
-store happened.
+Every put registers its mode in the namespace's mode directory first, then checks which of its
+blocks are there already (in its mode: ALREADY_PRESENT; in another: CONFLICT) with existence
+checks alone. Mooncake's put keeps an existing value and still returns 0, so what a put did is
+read back from the stored header (`Writes._judge`: only our own writer nonce proves a store).
+After the put, the other modes' keys are checked again (`Writes._yield`): a block another mode
+stored meanwhile makes ours go (removed) and answer CONFLICT, so one address never stays held by
+two modes (mooncake.modes says why this cannot miss).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvtag_store.backends.mooncake.format import (
     encode_header,
     object_key,
 )
+from kvtag_store.backends.mooncake.modes import Unregistered
 from kvtag_store.backends.mooncake.staging import Staged
 
 # Put codes after which the stored header, not the code, says what happened.
@@ -34,6 +39,11 @@ _IN_FLIGHT = (MooncakeCode.OBJECT_NOT_FOUND, MooncakeCode.OBJECT_ALREADY_EXISTS)
 _VERIFY_ATTEMPTS = 5
 _VERIFY_BACKOFF_S = 0.02
 _NO_OUTCOME = PutResult(PutOutcome.REJECTED, "internal: no outcome")
+_ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+
+
+def conflict(holder: str) -> PutResult:
+    return PutResult(PutOutcome.CONFLICT, f"key is held by mode {holder}")
 
 
 class Undecided(enum.Enum):
@@ -78,12 +88,15 @@ class Writes:
             return refused
         self._cluster.breaker.check("storing")
         group, key = address
-        mkey = object_key(namespace_id, group, key)
+        mkey = object_key(namespace_id, mode_id, group, key)
         nonce = os.urandom(8)
         try:
             header = encode_header(namespace_id, mode_id, group, key, value, nonce)
         except ValueError as exc:
             return PutResult(PutOutcome.REJECTED, str(exc))
+        [known] = self.check(namespace_id, mode_id, [address])
+        if known is not None:
+            return known
         for _attempt in range(2):
             rc = self._client.put_parts(mkey, header, value)
             if rc == MooncakeCode.BUFFER_OVERFLOW:
@@ -95,8 +108,56 @@ class Writes:
                 return PutResult(PutOutcome.REJECTED, self._put_failure(rc))
             verdict = self._confirm(namespace_id, mode_id, _Sent([address], [mkey], [nonce], [rc]))
             if verdict is not Undecided.DROPPED:
-                return verdict
+                results: list[PutResult | None] = [verdict]
+                self._yield(namespace_id, mode_id, [address], [mkey], results)
+                return results[0] or _NO_OUTCOME
         return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
+
+    def check(
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+    ) -> list[PutResult | None]:
+        """Before a put: the mode registered in the directory, then per block the outcome already
+        known from existence checks (ALREADY_PRESENT, CONFLICT), None where the put must go on."""
+        refused = self.register(namespace_id, mode_id)
+        if refused is not None:
+            return [refused] * len(addresses)
+        found = self._cluster.presence(
+            namespace_id, mode_id, addresses, "checking blocks before a put", writing=True
+        )
+        return [
+            _ALREADY_PRESENT if here else conflict(holder) if holder else None
+            for here, holder in zip(found.present, found.holders, strict=True)
+        ]
+
+    def register(self, namespace_id: str, mode_id: str) -> PutResult | None:
+        """The mode in the namespace's directory (mooncake.modes), or the refusal of the put."""
+        try:
+            self._cluster.modes.register(namespace_id, mode_id)
+        except Unregistered as exc:
+            reason = self._put_failure(exc.code) if exc.code is not None else str(exc)
+            return PutResult(PutOutcome.REJECTED, reason)
+        return None
+
+    def _yield(
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        mkeys: Sequence[str],
+        results: list[PutResult | None],
+    ) -> None:
+        """After a put: each block this put stored that another mode holds too is removed and
+        answered CONFLICT (the directory read again first, so a mode registered meanwhile counts)."""
+        stored = [i for i, r in enumerate(results) if r is not None and r.outcome is PutOutcome.STORED]
+        what = "checking other modes after a put"
+        holders = self._cluster.other_holders(
+            namespace_id, mode_id, [addresses[i] for i in stored], what, writing=True
+        )
+        lost = [(i, holder) for i, holder in zip(stored, holders, strict=True) if holder]
+        if lost:
+            self._client.batch_remove([mkeys[i] for i, _ in lost], True)
+            for i, holder in lost:
+                results[i] = conflict(holder)
 
     def _confirm(
         self, namespace_id: str, mode_id: str, sent: _Sent
@@ -121,13 +182,19 @@ class Writes:
         round trip pair per item. Per-item truth still comes from each item's stored header."""
         self._cluster.breaker.check("storing")
         results: list[PutResult | None] = [None] * len(items)
+        if not items:
+            return []
+        for index, known in enumerate(self.check(namespace_id, mode_id, [address for address, _ in items])):
+            results[index] = known
         budget = self._cluster.settings.local_buffer_bytes // 4
         chunk: list[int] = []
         chunk_keys: set[str] = set()
         chunk_bytes = 0
         single: list[int] = []
         for index, (address, value) in enumerate(items):
-            mkey = object_key(namespace_id, *address)
+            if results[index] is not None:
+                continue
+            mkey = object_key(namespace_id, mode_id, *address)
             if len(value) > self._cluster.max_value_bytes or mkey in chunk_keys:
                 single.append(index)  # refused by put with its reason / a duplicate judged after
                 continue
@@ -164,7 +231,7 @@ class Writes:
             except ValueError as exc:
                 results[index] = PutResult(PutOutcome.REJECTED, str(exc))
                 continue
-            mkeys.append(object_key(namespace_id, group, key))
+            mkeys.append(object_key(namespace_id, mode_id, group, key))
             nonces.append(nonce)
             blobs.append(header + value)
         chunk = [i for i in chunk if results[i] is None]
@@ -173,11 +240,17 @@ class Writes:
         rc = self._client.put_batch(mkeys, blobs)
         self._cluster.breaker.screen([rc], "storing blocks", counted_unless=PUT_ACCEPTED)
         sent = _Sent([items[index][0] for index in chunk], mkeys, nonces, [rc] * len(chunk))
+        judged: list[PutResult | None] = []
         for index, verdict in zip(chunk, self._judge(namespace_id, mode_id, sent), strict=True):
             if isinstance(verdict, Undecided):
                 single.append(index)
+                judged.append(None)
             else:
-                results[index] = verdict
+                judged.append(verdict)
+        self._yield(namespace_id, mode_id, sent.addresses, mkeys, judged)
+        for index, outcome in zip(chunk, judged, strict=True):
+            if outcome is not None:
+                results[index] = outcome
 
     def put_staged(
         self, namespace_id: str, mode_id: str, entries: Sequence[tuple[BlockAddress, Staged]]
@@ -203,44 +276,49 @@ class Writes:
             ptrs, lengths = staged.buffers()
             taken.append(n)
             addresses.append((group, key))
-            mkeys.append(object_key(namespace_id, group, key))
+            mkeys.append(object_key(namespace_id, mode_id, group, key))
             nonces.append(nonce)
             pointers.append(ptrs)
             sizes.append(lengths)
         if taken:
+            refused = self.register(namespace_id, mode_id)
+            if refused is not None:
+                return [refused] * len(entries)
             codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
             self._cluster.breaker.screen(codes, "storing blocks", counted_unless=PUT_ACCEPTED)
             sent = _Sent(addresses, mkeys, nonces, codes)
-            for n, verdict in zip(taken, self._judge(namespace_id, mode_id, sent), strict=True):
-                # Undecided: only the single path can tell (it waits for an in-flight writer), from a copy.
+            judged: list[PutResult | None] = []
+            undecided: list[int] = []
+            for k, verdict in enumerate(self._judge(namespace_id, mode_id, sent)):
                 if isinstance(verdict, Undecided):
-                    address, staged = entries[n]
-                    verdict = self.put(namespace_id, mode_id, address, bytes(staged.payload()))
-                results[n] = verdict
+                    undecided.append(k)
+                    judged.append(None)
+                else:
+                    judged.append(verdict)
+            self._yield(namespace_id, mode_id, addresses, mkeys, judged)
+            for k in undecided:
+                # Only the single path can tell (it waits for an in-flight writer), from a copy.
+                address, staged = entries[taken[k]]
+                judged[k] = self.put(namespace_id, mode_id, address, bytes(staged.payload()))
+            for n, outcome in zip(taken, judged, strict=True):
+                results[n] = outcome
         return [r if r is not None else _NO_OUTCOME for r in results]
 
     def _judge(self, namespace_id: str, mode_id: str, sent: _Sent) -> list[PutResult | Undecided]:
         """Each sent value's outcome from its stored header, read back for all at once: the one place
-        a put is judged. A header with our nonce is STORED, another writer's ALREADY_PRESENT (or
-        CONFLICT in another mode); a corrupt one is dropped."""
+        a put is judged. A header with our nonce is STORED, another writer's ALREADY_PRESENT (the
+        key names the mode, so it is this mode's); a corrupt or misplaced one is dropped."""
         out: list[PutResult | Undecided] = []
-        seen: dict[str, str] = {}
         found = self._cluster.headers.read(sent.mkeys)
         for address, mkey, nonce, code, header in zip(*sent, found, strict=True):
             if isinstance(header, bytes):
                 try:
-                    stored = decode_header(header, namespace_id, *address)
+                    stored = decode_header(header, namespace_id, *address, mode_id)
                 except FormatError:
                     self._cluster.drop_corrupt([mkey])
                     out.append(Undecided.DROPPED)
                     continue
-                seen[mkey] = stored.mode_id
-                if stored.nonce == nonce:
-                    out.append(PutResult(PutOutcome.STORED))
-                elif stored.mode_id != mode_id:
-                    out.append(PutResult(PutOutcome.CONFLICT, f"key is held by mode {stored.mode_id}"))
-                else:
-                    out.append(PutResult(PutOutcome.ALREADY_PRESENT))
+                out.append(PutResult(PutOutcome.STORED) if stored.nonce == nonce else _ALREADY_PRESENT)
                 continue
             self._cluster.breaker.screen([header], "confirming a store")
             if code not in PUT_ACCEPTED:
@@ -255,7 +333,6 @@ class Writes:
                         f"the store could not be confirmed: {describe(header)} on read-back",
                     )
                 )
-        self._cluster.tags.learn(list(seen), list(seen.values()))
         return out
 
     def _put_failure(self, code: int) -> str:
