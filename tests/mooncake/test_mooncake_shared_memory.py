@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag_client import keys
 from kvtag_client.store import StoreClient
@@ -29,6 +30,7 @@ from kvtag_store.backends.base import (
 from kvtag_store.backends.mooncake.backend import MooncakeBackend
 from kvtag_store.backends.mooncake.client import MooncakeClient, MooncakeSettings, connect
 from kvtag_store.backends.mooncake.format import object_key
+from kvtag_store.backends.mooncake.shared_memory import SPARE_SHARE
 from kvtag_store.backends.mooncake.staging import StagedAddress
 
 from tests.client.shm_worker import run_races
@@ -142,17 +144,88 @@ def test_shm_groups_give_each_tenants_staging_arena_to_its_group(
         backend.close()
 
 
-def test_the_mooncake_backend_grants_no_spare_slots_and_frees_what_a_keyed_commit_names(
+def write_into(backend: MooncakeBackend, ns: str, grants: Sequence[object], values: list[bytes]) -> None:
+    arena = backend.shared_arena(ns)
+    assert arena is not None and arena.path is not None
+    with open(arena.path, "r+b") as mapped:
+        for grant, value in zip(grants, values, strict=True):
+            assert isinstance(grant, SlotReference)
+            mapped.seek(grant.offset)
+            mapped.write(value)
+
+
+def test_spare_slots_make_a_put_one_commit_bound_to_its_keys_with_the_clients_digests(
+    staged: MooncakeBackend, mooncake_backend: MooncakeBackend
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    assert mooncake_backend.put(ns, MODE, addr("present"), b"p" * 64).outcome is PutOutcome.STORED
+    assert mooncake_backend.put(ns, OTHER, addr("theirs"), b"t" * 64).outcome is PutOutcome.STORED
+    values = [os.urandom(64) for _ in range(4)]
+    grants = staged.reserve_spare(ns, [64] * 4)
+    assert all(isinstance(g, SlotReference) for g in grants)
+    assert staged.stats().spare_bytes == 4 * 64
+    write_into(staged, ns, grants, values)
+    keys = [addr("new"), addr("present"), addr("theirs"), addr("new2")]
+    generations = [g.generation for g in grants if isinstance(g, SlotReference)]
+    results, stored = staged.commit(
+        ns, MODE, generations, [xxhash.xxh3_64_intdigest(v) for v in values], keys
+    )
+    assert [r.outcome for r in results] == [
+        PutOutcome.STORED,
+        PutOutcome.ALREADY_PRESENT,
+        PutOutcome.CONFLICT,
+        PutOutcome.STORED,
+    ]
+    assert stored == 2 * 64
+    assert [r.value for r in mooncake_backend.get(ns, MODE, [addr("new"), addr("new2")])] == [
+        values[0],
+        values[3],
+    ]
+    assert read(staged, ns, MODE, [addr("new")]) == [values[0]]
+    assert staged.stats().reserved_bytes == staged.stats().spare_bytes == 0
+
+
+def test_spare_slots_stay_within_their_share_and_keyed_and_keyless_commits_are_refused(
     staged: MooncakeBackend,
 ) -> None:
     ns = "ns-" + uuid.uuid4().hex[:16]
-    [refused] = staged.reserve_spare(ns, [64])
-    assert not isinstance(refused, SlotReference) and refused.outcome is PutOutcome.REJECTED
-    [grant] = staged.reserve(ns, MODE, [(addr("k"), 64)])
-    assert isinstance(grant, SlotReference)
-    results, stored = staged.commit(ns, MODE, [grant.generation], None, [addr("k")])
+    share = (16 << 20) // SPARE_SHARE  # the fixture's staging arena
+    granted = staged.reserve_spare(ns, [share // 2, share // 2, 4096])
+    assert [isinstance(g, SlotReference) for g in granted] == [True, True, False]
+    spare = [g for g in granted if isinstance(g, SlotReference)]
+    refused = granted[2]
+    assert not isinstance(refused, SlotReference) and "share" in refused.reason
+    [keyed] = staged.reserve(ns, MODE, [(addr("k"), 64)])
+    assert isinstance(keyed, SlotReference)
+    results, stored = staged.commit(ns, MODE, [keyed.generation], None, [addr("k")])
     assert [r.outcome for r in results] == [PutOutcome.REJECTED] and stored == 0
-    assert staged.stats().reserved_bytes == 0
+    results, stored = staged.commit(ns, MODE, [spare[0].generation])  # a spare slot without its key
+    assert [r.outcome for r in results] == [PutOutcome.REJECTED] and "key" in results[0].reason
+    staged.cancel([spare[1].generation])
+    assert staged.stats().reserved_bytes == staged.stats().spare_bytes == 0
+    assert staged.staging_slots_in_use == 0
+
+
+def test_a_wrong_client_digest_is_never_served_and_a_reader_that_verifies_gets_the_digest(
+    staged: MooncakeBackend,
+) -> None:
+    ns = "ns-" + uuid.uuid4().hex[:16]
+    good, bad = os.urandom(4096), os.urandom(4096)
+    grants = staged.reserve(ns, MODE, [(addr("good"), 4096), (addr("bad"), 4096)])
+    write_into(staged, ns, grants, [good, bad])
+    generations = [g.generation for g in grants if isinstance(g, SlotReference)]
+    digests = [xxhash.xxh3_64_intdigest(good), xxhash.xxh3_64_intdigest(bad) ^ 1]
+    results, _ = staged.commit(ns, MODE, generations, digests)
+    assert [r.outcome for r in results] == [PutOutcome.STORED] * 2
+    # A reader that verifies its own copy gets the stored digest and no check here.
+    statuses, references, pinned = staged.get_references(ns, MODE, [addr("good")], verify=False)
+    assert statuses == [KeyStatus.HIT] and references[0] is not None
+    assert references[0].digest == xxhash.xxh3_64_intdigest(good)
+    staged.unpin(ns, pinned)
+    # Verified here, the value under the wrong digest is a miss and dropped.
+    before = staged.stats().corrupted_dropped
+    assert read(staged, ns, MODE, [addr("good"), addr("bad")]) == [good, None]
+    assert staged.stats().corrupted_dropped == before + 1
 
 
 def test_staged_round_trip_is_byte_exact_and_readable_by_the_inline_path(staged: MooncakeBackend) -> None:

@@ -32,7 +32,7 @@ from kvtag_store.backends.mooncake.errors import ErrorCounters
 from kvtag_store.backends.mooncake.format import object_keys
 from kvtag_store.backends.mooncake.leases import LeaseKeeper
 from kvtag_store.backends.mooncake.reads import Reads
-from kvtag_store.backends.mooncake.shared_memory import NO_SPARES, SharedMemoryHalf
+from kvtag_store.backends.mooncake.shared_memory import SharedMemoryHalf
 from kvtag_store.backends.mooncake.staging import StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
 
@@ -107,8 +107,8 @@ class MooncakeBackend:
         return self._shared.reserve(namespace_id, mode_id, items)
 
     def reserve_spare(self, namespace_id: str, lengths: Sequence[int]) -> list[SlotReference | PutResult]:
-        """None granted: the client keeps reserving with ReserveSlots."""
-        return [NO_SPARES] * len(lengths)
+        """Staging slots for the session's next put (bound to keys at its commit: one round trip)."""
+        return self._shared.reserve_spare(namespace_id, lengths)
 
     def commit(
         self,
@@ -118,10 +118,10 @@ class MooncakeBackend:
         digests: Sequence[int] | None = None,
         addresses: Sequence[BlockAddress] | None = None,
     ) -> tuple[list[PutResult], int]:
-        """Shared-memory Put, step 2: each written slot is checksummed, given its header in place and
-        put into the cluster straight from the arena, then judged by its stored header like any put.
-        Client `digests` are not used: the stored header carries this backend's own CRC."""
-        return self._shared.commit(namespace_id, mode_id, generations, addresses)
+        """Shared-memory Put, step 2: each written slot gets its header in place (with the client's
+        XXH3-64 `digests` when sent, else one computed here) and is put into the cluster straight
+        from the arena, then judged by its stored header like any put. `addresses` bind spare slots."""
+        return self._shared.commit(namespace_id, mode_id, generations, digests, addresses)
 
     def cancel(self, generations: Iterable[int]) -> None:
         """Free reserved slots that were never committed (their session ended)."""
@@ -130,9 +130,10 @@ class MooncakeBackend:
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
-        """Shared-memory Get: values read into staging slots and referenced. Each is verified as it
-        arrives whatever `verify` says, so references carry no digest for the reader."""
-        return self._shared.get_references(namespace_id, mode_id, addresses)
+        """Shared-memory Get: values read into staging slots and referenced. Tag, address and length
+        are checked here always; the payload digest here when `verify`, else by the reader against
+        the digest its reference carries."""
+        return self._shared.get_references(namespace_id, mode_id, addresses, verify)
 
     # -- leases -------------------------------------------------------------
 
@@ -170,6 +171,7 @@ class MooncakeBackend:
             corrupted_dropped=self._cluster.corrupted,
             errors=self.errors.snapshot(),
             reserved_bytes=self._shared.reserved_bytes(),
+            spare_bytes=self._shared.spare_bytes(),
         )
 
     def close_first(self, close: Callable[[], None]) -> None:

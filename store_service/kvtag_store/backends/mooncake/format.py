@@ -3,8 +3,8 @@
 A block's object key names its namespace, mode, group and key, so an existence check alone says
 whether a block is there in a given mode (Mooncake keys carry no metadata, and reading anything
 of a value costs a transfer per object). Everything kvtag must verify at read time still travels
-in the value: a 100-byte header (magic, format version, mode tag, namespace digest, group, key
-digest, payload length, writer nonce, payload CRC-32, header CRC-32) followed by the payload.
+in the value: a 104-byte header (magic, format version, mode tag, namespace digest, group, key
+digest, payload length, writer nonce, payload XXH3-64, header CRC-32) followed by the payload.
 Pure Python, importable without the Mooncake wheel, so the format is unit-tested on its own.
 """
 
@@ -17,11 +17,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import quote
 
+import xxhash
+
 MAGIC = b"KVTG"
-FORMAT_VERSION = 1
+# Values: 2 since the mode is in the key and the payload digest is XXH3-64 (version 1 had a
+# CRC-32 and lived under kvtag/v1). Census records keep framing version 1.
+FORMAT_VERSION = 2
+RECORD_VERSION = 1
 # magic, version, header length, mode_id (ASCII, NUL-padded), namespace digest, group,
-# key digest, payload length, writer nonce, payload crc32, header crc32 (over all before it).
-_HEADER = struct.Struct(">4sHH32s16sI16sQ8sII")
+# key digest, payload length, writer nonce, payload xxh3-64, header crc32 (over all before it).
+_HEADER = struct.Struct(">4sHH32s16sI16sQ8sQI")
 MAX_MODE_ID_BYTES = 32
 HEADER_BYTES = _HEADER.size
 _CRC_OFFSET = HEADER_BYTES - 4
@@ -42,7 +47,7 @@ class Header:
     key_digest: bytes
     payload_bytes: int
     nonce: bytes
-    payload_crc: int
+    payload_digest: int
 
 
 def object_key(namespace_id: str, mode_id: str, group: int, key: bytes) -> str:
@@ -93,14 +98,22 @@ def namespace_digest(namespace_id: str) -> bytes:
     return hashlib.blake2b(namespace_id.encode(), digest_size=16, person=b"kvtag-ns").digest()
 
 
-def payload_checksum(payload: bytes | memoryview) -> int:
-    """CRC-32 (zlib): cheaper than the Mooncake transfer it guards (figures: docs/benchmarks.md)."""
-    return zlib.crc32(payload)
+# XXH3-64, the digest a shared-memory client already sends with its commit (and the memory
+# backend's): taken from the client it costs the service nothing, and it is faster than CRC-32.
+payload_checksum = xxhash.xxh3_64_intdigest
 
 
 def encode_header(
-    namespace_id: str, mode_id: str, group: int, key: bytes, payload: bytes | memoryview, nonce: bytes
+    namespace_id: str,
+    mode_id: str,
+    group: int,
+    key: bytes,
+    payload: bytes | memoryview,
+    nonce: bytes,
+    digest: int | None = None,
 ) -> bytes:
+    """The header of a value; `digest` is the payload's XXH3-64 when the writer sent it (a wrong
+    one makes the value fail the first verified read, never serves wrong bytes)."""
     mode = mode_id.encode("ascii")
     if len(mode) > MAX_MODE_ID_BYTES:
         raise ValueError(f"mode id {mode_id!r} is longer than {MAX_MODE_ID_BYTES} bytes")
@@ -114,7 +127,7 @@ def encode_header(
         key_digest(key),
         len(payload),
         nonce,
-        payload_checksum(payload),
+        payload_checksum(payload) if digest is None else digest,
         0,
     )
     return body[:_CRC_OFFSET] + struct.pack(">I", zlib.crc32(body[:_CRC_OFFSET]))
@@ -147,14 +160,14 @@ def verify_payload(header: Header, value: bytes) -> memoryview:
     payload = memoryview(value)[HEADER_BYTES:]
     if len(payload) != header.payload_bytes:
         raise FormatError(f"payload is {len(payload)} bytes, header says {header.payload_bytes}")
-    if payload_checksum(payload) != header.payload_crc:
+    if payload_checksum(payload) != header.payload_digest:
         raise FormatError("payload checksum mismatch")
     return payload
 
 
 def encode_record(body: bytes) -> bytes:
     """A census record: magic, version, CRC-32, body."""
-    return MAGIC + struct.pack(">HI", FORMAT_VERSION, zlib.crc32(body)) + body
+    return MAGIC + struct.pack(">HI", RECORD_VERSION, zlib.crc32(body)) + body
 
 
 def decode_record(raw: bytes) -> bytes:
@@ -162,6 +175,6 @@ def decode_record(raw: bytes) -> bytes:
         raise FormatError("not a kvtag census record")
     version, crc = struct.unpack_from(">HI", raw, 4)
     body = raw[10:]
-    if version != FORMAT_VERSION or zlib.crc32(body) != crc:
+    if version != RECORD_VERSION or zlib.crc32(body) != crc:
         raise FormatError("census record fails its checksum or has an unknown version")
     return body

@@ -2,8 +2,10 @@
 
 Same-host clients write into and read from staging slots (see mooncake.staging); this half
 reserves those slots, puts committed ones into the cluster straight from the arena, and reads
-values into slots it then references. Without --shm-dir there is no staging, and every call
-answers as if no slot could ever be had.
+values into slots it then references. Spare slots (granted at one commit for the session's next
+put, bound to their keys at its commit) make a put one round trip; they hold staging memory the
+reads need too, so they stay within 1/SPARE_SHARE of each tenant's arena. Without --shm-dir there
+is no staging, and every call answers as if no slot could ever be had.
 """
 
 from __future__ import annotations
@@ -27,10 +29,17 @@ from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
 
-# Spare slots would hold staging memory between puts that the reads also need: this backend
-# stages values only for the put that names them.
-NO_SPARES = PutResult(
-    PutOutcome.REJECTED, "the Mooncake backend grants no spare slots: reserve them with ReserveSlots"
+# Spare slots of a staging arena stay within this share of it: the rest is for reads and reservations.
+SPARE_SHARE = 4
+_SPARE_SHARE_FULL = PutResult(
+    PutOutcome.REJECTED,
+    "spare slots are at their share of the Mooncake staging arena: reserve with ReserveSlots",
+)
+_SPARE_WITHOUT_KEY = PutResult(
+    PutOutcome.REJECTED, "a spare slot is committed with its key: send packed_items, one key per generation"
+)
+_KEYED_SLOT = PutResult(
+    PutOutcome.REJECTED, "a slot reserved for a key is committed without one (ReserveSlots already named it)"
 )
 _STAGING_FULL = PutResult(
     PutOutcome.REJECTED,
@@ -48,8 +57,10 @@ class SharedMemoryHalf:
         self._reads = reads
         self._writes = writes
         self._staging = staging
-        self._reservations: dict[int, tuple[str, BlockAddress, Staged]] = {}  # generation -> reserved
+        # generation -> (namespace, address, slot); address None: a spare slot, bound at its commit
+        self._reservations: dict[int, tuple[str, BlockAddress | None, Staged]] = {}
         self._reserved_lock = threading.Lock()
+        self._spare_bytes = 0
 
     def assign_tenant(self, namespace_id: str, tenant: str) -> None:
         if self._staging is not None:
@@ -88,46 +99,97 @@ class SharedMemoryHalf:
                 out[i] = _reference(staged)
         return [r if r is not None else _STAGING_FULL for r in out]
 
+    def reserve_spare(self, namespace_id: str, lengths: Sequence[int]) -> list[SlotReference | PutResult]:
+        """Staging slots for no key yet (the session's next put), while the spare ones stay within
+        1/SPARE_SHARE of the arena; REJECTED for the rest."""
+        if self._staging is None:
+            return [_NO_STAGING] * len(lengths)
+        share = self._staging.size_bytes // SPARE_SHARE
+        out: list[SlotReference | PutResult] = []
+        with self._reserved_lock:
+            fits = 0
+            room = share - self._spare_bytes
+            for length in lengths:
+                if length > room:
+                    break
+                room -= length
+                fits += 1
+            granted = self._staging.allocate(namespace_id, list(lengths[:fits]))
+            for staged in granted:
+                if staged is None:
+                    out.append(_STAGING_FULL)
+                    continue
+                self._reservations[staged.generation] = (namespace_id, None, staged)
+                self._spare_bytes += staged.length
+                out.append(_reference(staged))
+        return out + [_SPARE_SHARE_FULL] * (len(lengths) - fits)
+
     def commit(
         self,
         namespace_id: str,
         mode_id: str,
         generations: Sequence[int],
+        digests: Sequence[int] | None,
         addresses: Sequence[BlockAddress] | None,
     ) -> tuple[list[PutResult], int]:
-        """Put each reserved slot into the cluster (Writes.put_staged); the slots are free again
-        afterwards, whatever happened. Keys sent with `addresses` are for spare slots, which this
-        backend never grants: such a commit frees the slots it names and stores nothing."""
-        if addresses is not None:
-            self.cancel(generations)
-            return [NO_SPARES] * len(generations), 0
-        taken: list[tuple[str, BlockAddress, Staged] | None] = []
+        """Put each reserved slot into the cluster (Writes.put_staged), under the client's digests
+        when it sent them; the slots are free again afterwards, whatever happened. `addresses` bind
+        spare slots to their keys: those were not checked at reserve, so the blocks already stored
+        are answered from existence checks here and not put."""
+        taken: list[tuple[BlockAddress, Staged, int | None] | None] = []
+        results: list[PutResult | None] = [None] * len(generations)
+        refused: list[Staged] = []
         with self._reserved_lock:
-            for generation in generations:
+            for n, generation in enumerate(generations):
                 reservation = self._reservations.get(generation)
                 if reservation is None or reservation[0] != namespace_id:
                     taken.append(None)
+                    results[n] = NO_RESERVATION
                     continue
                 del self._reservations[generation]
-                taken.append(reservation)
-        live = [r for r in taken if r is not None]
+                _, address, staged = reservation
+                if address is None and addresses is not None:
+                    self._spare_bytes -= staged.length
+                    address = addresses[n]
+                elif address is None or addresses is not None:
+                    if address is None:
+                        self._spare_bytes -= staged.length
+                    refused.append(staged)
+                    taken.append(None)
+                    results[n] = _SPARE_WITHOUT_KEY if addresses is None else _KEYED_SLOT
+                    continue
+                taken.append((address, staged, digests[n] if digests is not None else None))
+        live = [n for n, t in enumerate(taken) if t is not None]
         try:
-            entries = [(address, staged) for _, address, staged in live]
-            outcomes = iter(self._writes.put_staged(namespace_id, mode_id, entries) if live else [])
+            if addresses is not None and live:
+                known = self._writes.check(namespace_id, mode_id, [addresses[n] for n in live])
+                for n, outcome in zip(live, known, strict=True):
+                    results[n] = outcome
+                live = [n for n in live if results[n] is None]
+            entries = [(t[0], t[1]) for n in live if (t := taken[n]) is not None]
+            sent = [t[2] for n in live if (t := taken[n]) is not None]
+            outcomes = (
+                self._writes.put_staged(namespace_id, mode_id, entries, sent if digests is not None else None)
+                if entries
+                else []
+            )
+            for n, outcome in zip(live, outcomes, strict=True):
+                results[n] = outcome
         finally:
             if self._staging is not None:
-                self._staging.free([staged for _, _, staged in live])
-        results = [next(outcomes) if r is not None else NO_RESERVATION for r in taken]
+                self._staging.free(refused + [t[1] for t in taken if t is not None])
+        final = [r if r is not None else NO_RESERVATION for r in results]
         stored = sum(
-            r[2].length
-            for r, result in zip(taken, results, strict=True)
-            if r is not None and result.outcome is PutOutcome.STORED
+            t[1].length
+            for t, result in zip(taken, final, strict=True)
+            if t is not None and result.outcome is PutOutcome.STORED
         )
-        return results, stored
+        return final, stored
 
     def cancel(self, generations: Iterable[int]) -> None:
         with self._reserved_lock:
             dropped = [r for g in generations if (r := self._reservations.pop(g, None)) is not None]
+            self._spare_bytes -= sum(staged.length for _, address, staged in dropped if address is None)
         if dropped and self._staging is not None:
             self._staging.free([staged for _, _, staged in dropped])
 
@@ -135,13 +197,18 @@ class SharedMemoryHalf:
         with self._reserved_lock:
             return sum(staged.length for _, _, staged in self._reservations.values())
 
+    def spare_bytes(self) -> int:
+        with self._reserved_lock:
+            return self._spare_bytes
+
     def get_references(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
         """Each value read from the cluster straight into a staging slot (one
-        batch_get_into_multi_buffers), verified there (tag, address, length, CRC) and referenced. The
-        pinned addresses carry their slots (StagedAddress): releasing the lease frees them. A value
-        the staging arena has no room for is answered MISS; the engine recomputes it."""
+        batch_get_into_multi_buffers), checked there (tag, address, length, and the payload digest
+        unless the reader verifies its own copy against the digest its reference carries) and
+        referenced. The pinned addresses carry their slots (StagedAddress): releasing the lease frees
+        them. A value the staging arena has no room for is answered MISS; the engine recomputes it."""
         statuses = [KeyStatus.MISS] * len(addresses)
         references: list[SlotReference | None] = [None] * len(addresses)
         pinned: list[BlockAddress] = []
@@ -173,14 +240,14 @@ class SharedMemoryHalf:
                 try:
                     header = decode_header(staged.header(), namespace_id, group, key, mode_id)
                     if header.payload_bytes != staged.length or (
-                        payload_checksum(staged.payload()) != header.payload_crc
+                        verify and payload_checksum(staged.payload()) != header.payload_digest
                     ):
                         raise FormatError("payload length or checksum mismatch")
                 except FormatError:
                     corrupt.append(mkeys[i])
                     continue
                 statuses[i] = KeyStatus.HIT
-                references[i] = _reference(staged)
+                references[i] = _reference(staged, None if verify else header.payload_digest)
                 pinned.append(StagedAddress(addresses[i], staged))
                 kept.append(staged)
         finally:
@@ -200,5 +267,7 @@ class SharedMemoryHalf:
             self._staging.close()
 
 
-def _reference(staged: Staged) -> SlotReference:
-    return SlotReference(staged.arena.segment, staged.payload_offset, staged.length, staged.generation)
+def _reference(staged: Staged, digest: int | None = None) -> SlotReference:
+    return SlotReference(
+        staged.arena.segment, staged.payload_offset, staged.length, staged.generation, digest
+    )

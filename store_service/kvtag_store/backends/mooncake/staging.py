@@ -97,6 +97,7 @@ class Staging:
         self._directory = directory
         self._groups = dict(groups or {})
         self._size = (ARENA_HEADER + size_bytes + EXTENT - 1) // EXTENT * EXTENT
+        self.size_bytes = size_bytes
         self._lock = threading.Lock()
         self._arenas: dict[str, tuple[Arena, int] | None] = {}  # tenant -> (arena, address); None: failed
         self._tenants: dict[str, str] = {}  # namespace_id -> tenant

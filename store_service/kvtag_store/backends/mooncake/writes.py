@@ -253,10 +253,15 @@ class Writes:
                 results[index] = outcome
 
     def put_staged(
-        self, namespace_id: str, mode_id: str, entries: Sequence[tuple[BlockAddress, Staged]]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        entries: Sequence[tuple[BlockAddress, Staged]],
+        digests: Sequence[int | None] | None = None,
     ) -> list[PutResult]:
-        """Put values written into staging slots: each slot gets its header in place and the cluster
-        takes the object straight from the arena (one batch_put_from_multi_buffers)."""
+        """Put values written into staging slots: each slot gets its header in place (under the
+        writer's digest where given) and the cluster takes the object straight from the arena (one
+        batch_put_from_multi_buffers)."""
         self._cluster.breaker.check("storing")
         results: list[PutResult | None] = [None] * len(entries)
         taken: list[int] = []
@@ -268,7 +273,8 @@ class Writes:
         for n, ((group, key), staged) in enumerate(entries):
             nonce = os.urandom(8)
             try:
-                header = encode_header(namespace_id, mode_id, group, key, staged.payload(), nonce)
+                digest = digests[n] if digests is not None else None
+                header = encode_header(namespace_id, mode_id, group, key, staged.payload(), nonce, digest)
             except ValueError as exc:
                 results[n] = PutResult(PutOutcome.REJECTED, str(exc))
                 continue
