@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.policy.census import Census, NamespaceState
+from kvtag_store.policy.census import Census
+from kvtag_store.policy.census_state import NamespaceState
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000

@@ -1,0 +1,133 @@
+"""What the census holds per namespace and mode, the bounds on it, and the reports built from it.
+
+Kept apart from census.py, which decides (admission, sweeps, counting): this is the data those
+decisions read and the Diagnose records rendered from it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvtag.v1 import store_pb2 as pb
+
+from kvtag_store.policy.records import RecordLog
+from kvtag_store.policy.sessions import Session
+
+# Gone engines listed per mode (the rest are counted in engines_forgotten).
+RECENT_ENGINES = 16
+# Refusals and probe disagreements listed per namespace.
+RECENT_EVENTS = 32
+# Modes without a live engine kept per namespace (the least recently active leave first).
+MAX_IDLE_MODES = 8
+# What a gone engine's record keeps of its labels: the first labels, values cut short.
+GONE_LABELS = 16
+GONE_TEXT = 256
+DEFAULT_RETENTION_MS = 600_000
+
+
+@dataclass
+class ModeState:
+    mode: pb.HashingMode
+    live: dict[str, Session] = field(default_factory=dict)
+    # Closed or expired engines, newest last.
+    recent: RecordLog[pb.EngineRecord] = field(default_factory=lambda: RecordLog(RECENT_ENGINES))
+    hits: int = 0
+    misses: int = 0
+    mode_mismatches: int = 0
+    conflicts: int = 0
+    stored: int = 0
+    cross_mode: Counter[str] = field(default_factory=Counter)
+    last_active_ms: int = 0
+
+
+@dataclass
+class NamespaceState:
+    namespace_id: str
+    descriptor: pb.NamespaceDescriptor
+    policy: int
+    established_mode_id: str = ""
+    modes: dict[str, ModeState] = field(default_factory=dict)
+    refused: RecordLog[pb.RefusedSession] = field(default_factory=lambda: RecordLog(RECENT_EVENTS))
+    disagreements: RecordLog[pb.ProbeDisagreement] = field(default_factory=lambda: RecordLog(RECENT_EVENTS))
+    last_active_ms: int = 0
+    modes_forgotten: int = 0
+    # The namespace's stored blocks at the last sweep; None until known (or when the backend cannot
+    # say), and then a mode that stored blocks is taken to still hold them.
+    held_blocks: int | None = None
+
+    @property
+    def tenant(self) -> str:
+        return self.descriptor.tenant
+
+    def split(self) -> bool:
+        """Its modes lose each other's hits: mismatches, cross-mode misses, or two live modes."""
+        live_modes = 0
+        for m in self.modes.values():
+            if m.mode_mismatches or m.cross_mode:
+                return True
+            live_modes += bool(m.live)
+        return live_modes > 1
+
+    def holds_blocks(self) -> bool:
+        if self.held_blocks is not None:
+            return self.held_blocks > 0
+        return any(m.stored for m in self.modes.values())
+
+
+def namespace_report(ns_id: str, state: NamespaceState) -> pb.NamespaceReport:
+    """Caller holds the census lock."""
+    ns_report = pb.NamespaceReport(
+        namespace_id=ns_id,
+        policy=state.policy,  # type: ignore[arg-type]
+        established_mode_id=state.established_mode_id,
+        refused=list(state.refused),
+        probe_disagreements=list(state.disagreements),
+        last_active_unix_ms=state.last_active_ms,
+        modes_forgotten=state.modes_forgotten,
+    )
+    ns_report.namespace.CopyFrom(state.descriptor)
+    for mode_id, mode_state in sorted(state.modes.items()):
+        mode_report = ns_report.modes.add(mode_id=mode_id, engines_forgotten=mode_state.recent.forgotten)
+        mode_report.mode.CopyFrom(mode_state.mode)
+        for session in mode_state.live.values():
+            mode_report.engines.append(engine_record(session, live=True))
+        mode_report.engines.extend(reversed(mode_state.recent))
+        mode_report.counters.CopyFrom(
+            pb.ModeCounters(
+                hits=mode_state.hits,
+                misses=mode_state.misses,
+                mode_mismatches=mode_state.mode_mismatches,
+                cross_mode_misses=sum(mode_state.cross_mode.values()),
+                conflicts=mode_state.conflicts,
+                stored=mode_state.stored,
+            )
+        )
+        for held_by, count in mode_state.cross_mode.most_common():
+            mode_report.cross_mode_misses.add(held_by_mode_id=held_by, count=count)
+    return ns_report
+
+
+def gone_record(session: Session) -> pb.EngineRecord:
+    """What the census keeps of an engine that left: its record, labels trimmed (GONE_LABELS,
+    GONE_TEXT) so a log of gone engines stays small whatever the engines declared."""
+    record = engine_record(session, live=False)
+    record.engine_id = record.engine_id[:GONE_TEXT]
+    if len(session.labels) > GONE_LABELS or any(
+        len(k) > GONE_TEXT or len(v) > GONE_TEXT for k, v in session.labels.items()
+    ):
+        record.ClearField("labels")
+        for key in sorted(session.labels)[:GONE_LABELS]:
+            record.labels[key[:GONE_TEXT]] = session.labels[key][:GONE_TEXT]
+    return record
+
+
+def engine_record(session: Session, *, live: bool) -> pb.EngineRecord:
+    return pb.EngineRecord(
+        engine_id=session.engine_id,
+        session_id=session.session_id,
+        live=live,
+        opened_unix_ms=session.opened_unix_ms,
+        last_seen_unix_ms=session.last_seen_unix_ms,
+        labels=session.labels,
+    )
