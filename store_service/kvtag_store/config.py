@@ -143,6 +143,8 @@ class ServeDefaults:
     capacity_bytes: int = 1 << 30
     metrics_listen: str = "127.0.0.1:9464"
     workers: int = 16
+    # Memory backend: tenants without a --tenant-quota holding an arena at once (docs/operations.md).
+    max_tenant_arenas: int = 16
 
 
 CONFIG = ServiceConfig()
@@ -210,6 +212,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag("--max-namespaces-per-tenant", str(CAPS.max_namespaces_per_tenant), "namespaces per tenant")
     flag("--max-sessions", str(CAPS.max_sessions), "live sessions, store-wide")
     flag("--max-sessions-per-tenant", str(CAPS.max_sessions_per_tenant), "live sessions per tenant")
+    flag(
+        "--max-tenant-arenas",
+        str(SERVE.max_tenant_arenas),
+        "memory backend: tenants without a --tenant-quota holding an arena (memory of their own) at once; "
+        "a session of one more tenant is refused NAMESPACE_CAP_REACHED until one's namespaces are forgotten",
+    )
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")

@@ -94,6 +94,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.census,
             counting,
             self.capabilities.tenants,
+            self.capabilities.forgetting,
             self.slots,
             leases,
             self.limits,
@@ -129,12 +130,15 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def sweep_census(self) -> None:
         """census.sweep with the backend's blocks per namespace. A backend that holds blocks but
         cannot count them per namespace (Mooncake) gives None: namespaces whose modes stored stay."""
+        idle_since = time.monotonic()  # what a session names after this is kept by the backend
         stats = self.backend.stats()
         exact = bool(stats.per_namespace) or stats.keys == 0
         held = {ns_id: keys for ns_id, (keys, _) in stats.per_namespace.items()} if exact else None
         forgotten = self.census.sweep(held)
         if forgotten:
             self.metrics.namespaces_forgotten.inc(len(forgotten))
+        if self.capabilities.forgetting is not None:
+            self.capabilities.forgetting.forget_namespaces(forgotten, idle_since)
 
     # -- sessions -----------------------------------------------------------
 

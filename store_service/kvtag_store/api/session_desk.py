@@ -16,7 +16,7 @@ from kvtag_store.api import validation
 from kvtag_store.api.counting import Counting
 from kvtag_store.api.leases import Leases
 from kvtag_store.api.slots import Slots
-from kvtag_store.backends.base import TenantAware
+from kvtag_store.backends.base import Forgetting, TenantAware
 from kvtag_store.config import ServiceLimits
 from kvtag_store.policy.census import Census
 from kvtag_store.policy.sessions import Session, SessionTable
@@ -34,18 +34,21 @@ class SessionDesk:
         census: Census,
         counting: Counting,
         tenants: TenantAware | None,
+        forgetting: Forgetting | None,
         slots: Slots,
         leases: Leases,
         limits: ServiceLimits,
         limits_message: pb.Limits,
         session_ttl_ms: int,
     ) -> None:
-        """`tenants`: the backend when it keeps tenants apart (told each namespace's tenant), else None."""
+        """`tenants`: the backend when it keeps tenants apart (told each namespace's tenant), else None.
+        `forgetting`: the backend when it bounds the tenants holding memory (admit_tenant), else None."""
         self.sessions = sessions
         self.access = access
         self.census = census
         self.counting = counting
         self.tenants = tenants
+        self.forgetting = forgetting
         self.slots = slots
         self.leases = leases
         self.limits = limits
@@ -68,6 +71,8 @@ class SessionDesk:
         tenant = request.namespace.tenant
         try:
             self.sessions.check_room(tenant)  # the session caps, before the census keeps anything
+            if self.forgetting is not None and (limit := self.forgetting.admit_tenant(tenant)) is not None:
+                raise _arena_cap(limit, tenant)
             verdict = self.census.admit(request)
             session = self.sessions.open(
                 request.engine_id, verdict.namespace_id, verdict.mode_id, dict(request.labels), tenant
@@ -134,6 +139,19 @@ class SessionDesk:
     def _end(self, session: Session) -> None:
         self.slots.cancel_all(session)
         self.census.left(session)
+
+
+def _arena_cap(limit: int, tenant: str) -> errors.ApiError:
+    """A new tenant past --max-tenant-arenas: NAMESPACE_CAP_REACHED (its first namespace needs an arena
+    of its own), metadata cap and limit as the other caps."""
+    return errors.ApiError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        pb.ErrorReason.Name(pb.NAMESPACE_CAP_REACHED),
+        f"{limit} tenants hold memory of their own, the --max-tenant-arenas cap, and tenant "
+        f"`{tenant or '(shared)'}` has none; a tenant's arena is freed once its namespaces are forgotten "
+        "(--census-retention), so retry later, use an existing tenant, or raise the cap",
+        {"metadata": {"cap": "max-tenant-arenas", "limit": str(limit)}},
+    )
 
 
 def _tenant_check(principal: Principal) -> Callable[[str], bool] | None:

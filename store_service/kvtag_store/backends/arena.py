@@ -29,6 +29,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -177,6 +178,9 @@ class Arena:
         self._eager = min(size, _round_up(eager, EXTENT))
         self._fault_lock = threading.Lock()
         self._closed = False
+        # When a session of the tenant last needed the arena (time.monotonic()): the backend frees an
+        # arena no namespace uses only once it is idle since before the census's sweep.
+        self.last_used = time.monotonic()
         self._top = ARENA_HEADER
         self._free: dict[int, list[int]] = {}  # span -> slot starts
         self._free_bytes = 0
@@ -196,6 +200,11 @@ class Arena:
     @property
     def faulted_bytes(self) -> int:
         return self._faulted
+
+    @property
+    def eager(self) -> int:
+        """Bytes prefaulted up front, whatever is used (the pool's first arena)."""
+        return self._eager
 
     # -- slots -----------------------------------------------------------------
 

@@ -230,6 +230,23 @@ class SharedMemoryBackend(Protocol):
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]: ...
 
 
+@runtime_checkable
+class Forgetting(Protocol):
+    """Holds memory per namespace and per tenant (the memory backend's arenas) that it gives back once
+    nothing uses it, and bounds how many tenants hold such memory at once."""
+
+    def admit_tenant(self, tenant: str) -> int | None:
+        """Make room for the tenant's memory before a session of it opens: None when it has it or there
+        is room, else the cap (how many tenants may hold memory) it would pass."""
+        ...
+
+    def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:
+        """Drop the state of namespaces the census forgot, when they hold nothing and were not used
+        since `idle_since` (time.monotonic()), then every tenant's memory nothing uses any more.
+        Returns the bytes of memory given back."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one backend offers beyond BlockBackend, each the backend itself or None. `of` is the one
@@ -240,6 +257,7 @@ class Capabilities:
     packed_lookup: PackedLookup | None
     views: ViewReads | None
     shared_memory: SharedMemoryBackend | None
+    forgetting: Forgetting | None
 
     @classmethod
     def of(cls, backend: object) -> Capabilities:
@@ -249,6 +267,7 @@ class Capabilities:
             packed_lookup=backend if isinstance(backend, PackedLookup) else None,
             views=backend if isinstance(backend, ViewReads) else None,
             shared_memory=backend if isinstance(backend, SharedMemoryBackend) else None,
+            forgetting=backend if isinstance(backend, Forgetting) else None,
         )
 
 

@@ -11,6 +11,11 @@ a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
 
+An arena is freed (unmapped, its file removed) once no namespace of its tenant remains and it holds
+no slot, unless it is a pool's up-front prefaulted one or a --tenant-quota tenant's; and at most
+`max_tenant_arenas` other tenants hold an arena at once (admit_tenant refuses the next), so tenants
+that clients invent cannot grow the store's memory without bound.
+
 Tenant quotas split the capacity into pools (pools.py), each evicted LRU on its own
 (allocation.py). This facade owns the lock and the tables; the modules beside it do
 the work under it: entries.py (a namespace's blocks, pins and key index),
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -48,6 +54,9 @@ _MISS = KeyStatus.MISS
 # Items stored per lock acquisition in put_many, so a huge batch does not hold the lock long
 # enough to stall the Lookups waiting behind it.
 _PUT_CHUNK = 1024
+# Tenants without a --tenant-quota that may hold an arena at once (each keeps a prefault window
+# touched, up to 64 MiB, and the slots its blocks used).
+MAX_TENANT_ARENAS = 16
 
 
 class MemoryBackend:
@@ -69,13 +78,17 @@ class MemoryBackend:
         shm_dir: str | None = None,
         shm_groups: Mapping[str, int] | None = None,
         key_index_lag: int = KEY_INDEX_LAG,
+        max_tenant_arenas: int = MAX_TENANT_ARENAS,
     ) -> None:
         """`shm_dir` (e.g. /dev/shm): where tenant arenas are created as files same-host clients may map;
         None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
         file is shared with (mode 0660); other tenants' files stay 0600. `key_index_lag`: stores and
-        removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup)."""
+        removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup).
+        `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
+        if max_tenant_arenas <= 0:
+            raise ValueError("max_tenant_arenas must be positive")
         quotas = dict(tenant_quotas or {})
         if sum(quotas.values()) > capacity_bytes:
             raise ValueError(
@@ -95,6 +108,7 @@ class MemoryBackend:
         self._pools = [self._shared, *self._tenant_pools.values()]
         self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
         self._key_index_lag = key_index_lag
+        self._max_tenant_arenas = max_tenant_arenas
         self._allocator = Allocator(self._namespaces, self._pools)
         self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
         self._reader = Reader(self._lock, self._namespaces)
@@ -116,6 +130,7 @@ class MemoryBackend:
                 self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
                 return
             ns.tenant = tenant
+            ns.touched = time.monotonic()
             if not ns.entries:
                 ns.arena = self._arena(tenant)
             if ns.pool is pool:
@@ -127,6 +142,60 @@ class MemoryBackend:
                 old.used -= entry.slot.length
                 pool.used += entry.slot.length
             ns.pool = pool
+
+    def admit_tenant(self, tenant: str) -> int | None:
+        """The tenant's arena made ready before a session of it opens: None when it has one or may get
+        one, else the cap it would pass (`max_tenant_arenas` tenants without a quota hold arenas)."""
+        with self._lock:
+            arena = self._arenas.get(tenant)
+            if arena is None:
+                if tenant not in self._tenant_pools and self._arenas_capped() >= self._max_tenant_arenas:
+                    return self._max_tenant_arenas
+                arena = self._arena(tenant)
+            arena.last_used = time.monotonic()
+        return None
+
+    def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:
+        """Drop the namespaces (the census forgot them) that hold nothing and no session named since
+        `idle_since`, then free every arena no namespace uses: not a quota tenant's or a pool's up-front
+        prefaulted one, no slot in use, not admitted since `idle_since`. Returns the bytes unmapped."""
+        with self._lock:
+            reserved = self._reservations.namespaces()
+            for namespace_id in namespace_ids:
+                ns = self._namespaces.get(namespace_id)
+                if ns is not None and ns.idle(idle_since) and namespace_id not in reserved:
+                    del self._namespaces[namespace_id]
+            used = {id(ns.arena) for ns in self._namespaces.values()}
+            idle = [
+                (tenant, arena)
+                for tenant, arena in self._arenas.items()
+                if id(arena) not in used
+                and not arena.slots_in_use
+                and not arena.eager
+                and tenant not in self._tenant_pools
+                and arena.last_used <= idle_since
+            ]
+            for tenant, _ in idle:
+                del self._arenas[tenant]
+        freed = 0
+        for _, arena in idle:
+            freed += arena.faulted_bytes
+            arena.close()
+        return freed
+
+    def arenas(self) -> int:
+        """Arenas held, of every tenant."""
+        with self._lock:
+            return len(self._arenas)
+
+    def namespace_count(self) -> int:
+        """Namespaces the backend keeps state for (with blocks or not)."""
+        with self._lock:
+            return len(self._namespaces)
+
+    def _arenas_capped(self) -> int:
+        """Arenas of tenants without a quota. Caller holds the lock."""
+        return sum(1 for tenant in self._arenas if tenant not in self._tenant_pools)
 
     def shared_arena(self, namespace_id: str) -> Arena | None:
         """The shared-memory arena holding the namespace's values, or None (anonymous memory)."""
@@ -195,6 +264,7 @@ class MemoryBackend:
             with self._lock:
                 ns = self._ns(namespace_id)
                 granted = [claim(ns, mode_id, a, len(v)) for a, v in chunk]
+                ns.writers += 1  # its slots are in no table until inserted: not forgotten meanwhile
             view = ns.arena.view
             digests: list[int] = []
             for (_, value), grant in zip(chunk, granted, strict=True):
@@ -205,6 +275,7 @@ class MemoryBackend:
             stored = iter(digests)
             insert = ns.insert
             with self._lock:
+                ns.writers -= 1
                 results.extend(
                     insert(mode_id, address, grant, next(stored)) if isinstance(grant, Slot) else grant
                     for (address, _), grant in zip(chunk, granted, strict=True)

@@ -8,12 +8,13 @@ from kvtag_store.backends.base import ProbeRecord
 
 
 class MemoryCensus:
-    """CensusStore in process: first-writer-wins records for a single service replica."""
+    """CensusStore in process: first-writer-wins records for a single service replica. Forgets a
+    namespace's records when the census forgets the namespace (policy.census.ForgettingCensusStore)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._modes: dict[str, bytes] = {}
-        self._probes: dict[tuple[str, str], ProbeRecord] = {}
+        self._probes: dict[str, dict[str, ProbeRecord]] = {}  # namespace -> mode -> reference
 
     def establish_mode(self, namespace_id: str, mode_encoding: bytes) -> bytes:
         with self._lock:
@@ -21,4 +22,15 @@ class MemoryCensus:
 
     def reference_probe(self, namespace_id: str, mode_id: str, record: ProbeRecord) -> ProbeRecord:
         with self._lock:
-            return self._probes.setdefault((namespace_id, mode_id), record)
+            return self._probes.setdefault(namespace_id, {}).setdefault(mode_id, record)
+
+    def forget_namespace(self, namespace_id: str) -> None:
+        """Drop the namespace's first mode and probe references: nothing of it is left for them to keep
+        consistent, and a later session starts it afresh."""
+        with self._lock:
+            self._modes.pop(namespace_id, None)
+            self._probes.pop(namespace_id, None)
+
+    def namespaces_held(self) -> int:
+        with self._lock:
+            return len(self._modes.keys() | self._probes.keys())

@@ -6,6 +6,7 @@ Every method here runs under the backend's lock (MemoryBackend._lock); none take
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from itertools import repeat
@@ -128,7 +129,9 @@ class Namespace:
         "pins",
         "pool",
         "tenant",
+        "touched",
         "used_bytes",
+        "writers",
     )
 
     def __init__(
@@ -158,6 +161,14 @@ class Namespace:
         # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
         self.leases: dict[int, PinnedRuns] = {}
         self.used_bytes = 0
+        # When a session last named the namespace (time.monotonic()), and puts between taking their
+        # slots and inserting them: forget_namespaces keeps a namespace either says is in use.
+        self.touched = time.monotonic()
+        self.writers = 0
+
+    def idle(self, since: float) -> bool:
+        """Holds nothing (blocks, pins, leases, puts in flight) and untouched since `since`."""
+        return not (self.entries or self.pins or self.leases or self.writers) and self.touched <= since
 
     # -- pins and leases ------------------------------------------------------
 

@@ -171,6 +171,10 @@ class Reservations:
                 if reservation is not None:
                     self._free(reservation)
 
+    def namespaces(self) -> set[str]:
+        """The namespaces holding reserved slots. Caller holds the lock."""
+        return {reservation.namespace_id for reservation in self._by_generation.values()}
+
     def clear(self) -> None:
         """Forget every reservation (the backend is closing). Caller holds the lock."""
         self._by_generation.clear()
