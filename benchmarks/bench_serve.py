@@ -35,12 +35,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from provenance import git_describe  # noqa: E402
 from serve import report  # noqa: E402
-from serve.cluster import Cluster, in_private_netns, memory_store, mooncake_store  # noqa: E402
+from serve.cluster import Cluster, in_private_netns, memory_store, mooncake_store, rpc_seconds  # noqa: E402
 from serve.load import Workload, bench_args, multi_turn, prefix_repetition, run  # noqa: E402
 from serve.model import Shape, build  # noqa: E402
 from serve.servers import Server, ServerSpec, kvtag_transfer, peer_transfer  # noqa: E402
 
+from tests.net import free_port  # noqa: E402
 from tests.store_process import StoreProcess  # noqa: E402
 
 SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer")
@@ -57,21 +59,40 @@ class Bench:
         self.models = build(work.parent / "models" if args.models is None else args.models, Shape())
         self.records: list[dict[str, Any]] = []
         self.prefill: dict[str, Any] = {}
+        # The service and client run from this working tree: what they were when the run began.
+        self.commit = git_describe()
+        self.dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "store_service", "client", "proto"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split("\n")
         self.seq = 0
         self.cluster: Cluster | None = None
         self.stores: dict[str, StoreProcess] = {}
+        self.store_metrics: dict[str, str] = {}
 
     # -- stores --------------------------------------------------------------------------------
     @contextmanager
     def stores_for(self, scenario: str, policy: str = "isolate") -> Iterator[None]:
         """A fresh cluster and fresh kvtag stores per scenario, so no scenario hits another's blocks."""
         with ExitStack() as stack:
-            self.cluster = Cluster(self.work, segment_bytes=2 << 30).start()
+            self.cluster = Cluster(self.work, segment_bytes=1 << 30).start()
             stack.callback(self.cluster.stop)
-            mem = memory_store(self.work, f"store-mem-{scenario}", "--policy", policy).start()
-            stack.callback(mem.stop)
-            mc = mooncake_store(self.work, f"store-mc-{scenario}", self.cluster, "--policy", policy).start(60)
-            stack.callback(mc.stop)
+            self.store_metrics = {s: f"127.0.0.1:{free_port()}" for s in ("kvtag-mem", "kvtag-mc")}
+            mem = memory_store(
+                self.work, f"store-mem-{scenario}", self.store_metrics["kvtag-mem"], "--policy", policy
+            )
+            stack.callback(mem.start().stop)
+            mc = mooncake_store(
+                self.work,
+                f"store-mc-{scenario}",
+                self.store_metrics["kvtag-mc"],
+                self.cluster,
+                "--policy",
+                policy,
+            )
+            stack.callback(mc.start(60).stop)
             self.stores = {"kvtag-mem": mem, "kvtag-mc": mc}
             yield
 
@@ -107,7 +128,13 @@ class Bench:
             servers.append(Server(s, self.models["target"], self.work, s.name).start())
         try:
             for server in servers:
-                server.wait_ready()
+                try:
+                    server.wait_ready()
+                except RuntimeError as failed:
+                    # One restart: on this shared machine another session's OOM kill can take an engine.
+                    print(f"{server.spec.name} did not start ({str(failed)[:200]}); again", flush=True)
+                    server.stop()
+                    server.start().wait_ready()
         except BaseException:
             for server in servers:
                 server.stop()
@@ -124,12 +151,24 @@ class Bench:
         rate: tuple[str, int | None],
     ) -> dict[str, Any]:
         before = server.counters()
+        store = self.store_metrics.get(system.split("/")[0])
+        rpc_before = rpc_seconds(store) if store else {}
         argv = bench_args(server.url, self.models["target"], load, rate[0], rate[1], self.args.seed)
         started = time.monotonic()
         result = run(argv)
         wall = time.monotonic() - started
         after = server.counters()
         record = report.record(scenario, system, phase, load, rate, result, before, after)
+        if store:
+            # The service hop, server side: each RPC method's calls and seconds during this run.
+            rpc_after = rpc_seconds(store)
+            record["store_rpc"] = {
+                m: {
+                    "calls": v[0] - rpc_before.get(m, [0, 0])[0],
+                    "seconds": v[1] - rpc_before.get(m, [0, 0])[1],
+                }
+                for m, v in rpc_after.items()
+            }
         record.update(
             command="vllm bench serve " + shlex.join(argv),
             server_start_s=round(server.started_s, 1),
@@ -151,6 +190,8 @@ class Bench:
         return {
             "benchmark": "bench_serve",
             "quick": self.args.quick,
+            "commit": self.commit,
+            "dirty_paths": [p for p in self.dirty if p],
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
             "model": {**shape.__dict__, "kv_bytes_per_token": shape.kv_bytes_per_token(), **self.prefill},
             "records": self.records,
@@ -158,25 +199,29 @@ class Bench:
 
     # -- scenarios -------------------------------------------------------------------------------
     def cross_engine(
-        self, load: Workload, rates: list[tuple[str, int | None]], systems: tuple[str, ...]
+        self, loads: list[tuple[Workload, list[tuple[str, int | None]]]], systems: tuple[str, ...]
     ) -> None:
+        """Producers serve each load once and stop; fresh consumers then serve every load at every rate,
+        their local prefix cache emptied after each run (the store keeps its blocks)."""
         scenario = "cross-engine"
+        stored = [s for s in systems if s != "none"]
         with self.stores_for(scenario):
-            producers = [self.spec(s, "producer") for s in systems if s != "none"]
-            servers = self.start(producers)
+            servers = self.start([self.spec(s, "producer") for s in stored])
             try:
-                for server, system in zip(servers, [s for s in systems if s != "none"], strict=True):
-                    self.measure(server, scenario, system, "producer", load, rates[0])
+                for load, rates in loads:
+                    for server, system in zip(servers, stored, strict=True):
+                        self.measure(server, scenario, system, "producer", load, rates[-1])
                 time.sleep(SAVE_SETTLE_S)
             finally:
                 for server in servers:
                     server.stop()
             consumers = self.start([self.spec(s, "consumer") for s in systems])
             try:
-                for rate in rates:
-                    for server, system in zip(consumers, systems, strict=True):
-                        self.measure(server, scenario, system, "consumer", load, rate)
-                        server.reset_local_cache()
+                for load, rates in loads:
+                    for rate in rates:
+                        for server, system in zip(consumers, systems, strict=True):
+                            self.measure(server, scenario, system, "consumer", load, rate)
+                            server.reset_local_cache()
             finally:
                 for server in consumers:
                     server.stop()
@@ -313,7 +358,7 @@ def main() -> int:
         load = prefix_repetition(
             requests, prefixes=max(1, requests // 2), prefix_len=1024, suffix_len=128, output_len=16
         )
-        bench.cross_engine(load, [CLOSED], systems)
+        bench.cross_engine([(load, [CLOSED])], systems)
     else:
         requests = args.requests or 24
         bench.measure_prefill()
@@ -329,8 +374,7 @@ def main() -> int:
             output_len=32,
         )
         if "cross-engine" in scenarios:
-            bench.cross_engine(repetition, [("2", None), CLOSED], systems)
-            bench.cross_engine(chat, [CLOSED], systems)
+            bench.cross_engine([(repetition, [("0.5", None), CLOSED]), (chat, [CLOSED])], systems)
         if "capacity" in scenarios:
             many = prefix_repetition(
                 requests * 2, prefixes=requests // 2, prefix_len=1024, suffix_len=128, output_len=16

@@ -115,7 +115,7 @@ class Cluster:
                     "device_name": "",
                     "mode": "standalone-store",
                     "global_segment_size": 0,
-                    "local_buffer_size": 512 << 20,
+                    "local_buffer_size": 256 << 20,
                 }
             )
         )
@@ -136,15 +136,24 @@ def _healthy(address: str) -> bool:
         return False
 
 
-def memory_store(workdir: Path, name: str, *args: str) -> StoreProcess:
-    """kvtag's default store (`make run`) with room for the whole benchmark."""
-    return StoreProcess(workdir / f"{name}.log", "--capacity", "4GiB", *args, process_group=True)
+def memory_store(workdir: Path, name: str, metrics: str, *args: str) -> StoreProcess:
+    """kvtag's default store (`make run`): 1 GiB holds every scenario's blocks (a store touches its whole
+    capacity at start, so more would only take memory from the engines)."""
+    return StoreProcess(
+        workdir / f"{name}.log",
+        "--capacity",
+        "4GiB",
+        f"--metrics-listen={metrics}",
+        *args,
+        process_group=True,
+    )
 
 
-def mooncake_store(workdir: Path, name: str, cluster: Cluster, *args: str) -> StoreProcess:
+def mooncake_store(workdir: Path, name: str, metrics: str, cluster: Cluster, *args: str) -> StoreProcess:
     """kvtag-store over the cluster (docs/mooncake.md's flags)."""
     return StoreProcess(
         workdir / f"{name}.log",
+        f"--metrics-listen={metrics}",
         "--backend=mooncake",
         f"--mooncake-master={cluster.master}",
         f"--mooncake-metrics={cluster.metrics}",
@@ -153,3 +162,16 @@ def mooncake_store(workdir: Path, name: str, cluster: Cluster, *args: str) -> St
         *args,
         process_group=True,
     )
+
+
+def rpc_seconds(metrics: str) -> dict[str, list[float]]:
+    """The store's server-side time per RPC method: [calls, seconds] from kvtag_rpc_duration_seconds."""
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for suffix, index in (("_count", 0), ("_sum", 1)):
+            head = "kvtag_rpc_duration_seconds" + suffix + "{"
+            if line.startswith(head):
+                method = line[len(head) :].split('method="', 1)[1].split('"', 1)[0]
+                out.setdefault(method, [0.0, 0.0])[index] += float(line.rsplit(" ", 1)[1])
+    return out

@@ -92,8 +92,6 @@ class Server:
             "--dtype",
             "float32",
             "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
             "--block-size",
             str(BLOCK),
             "--max-model-len",
