@@ -245,7 +245,7 @@ def test_leased_blocks_outlive_eviction_and_stats_count_it(
     own_backend.pin(ns, pinned)
     time.sleep(own_cluster.lease_ttl_ms / 1000 * 1.5)  # past Mooncake's own lease: only renewal holds them
     # Fill the 32 MiB cluster twice over, paced so Mooncake's background eviction (at 90%) runs;
-    # every fresh block is briefly leased by its own put read-back, so some puts meet a full cluster.
+    # every fresh block is briefly leased by its put's existence check, so some puts meet a full cluster.
     outcomes = []
     for i in range(64):
         outcomes.append(own_backend.put(ns, MODE, addr(f"fill{i}"), value).outcome)

@@ -145,6 +145,33 @@ class Cluster:
             return holders
         raise AssertionError("unreachable")
 
+    def after_put(
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        mkeys: Sequence[str],
+        what: str,
+    ) -> tuple[list[bool], list[str | None]]:
+        """After a put, in one existence check (which also takes Mooncake's read lease on the new
+        blocks): whether each block is there in mode_id, and which other mode holds it too (None:
+        none). The directory is probed in the same call and read again if it changed."""
+        for attempt in range(2):
+            probe = self.modes.probe(namespace_id)
+            others = self.modes.others(namespace_id, mode_id)
+            keys = list(mkeys) + [k for other in others for k in object_keys(namespace_id, other, addresses)]
+            codes = self.exists(keys + probe.keys, what)
+            if self.modes.notice(namespace_id, probe, codes[len(keys) :], writing=True) and attempt == 0:
+                continue  # read again: a mode registered meanwhile may hold some of them
+            n = len(mkeys)
+            holders: list[str | None] = [None] * n
+            for j, other in enumerate(others):
+                for i in range(n):
+                    if holders[i] is None and codes[n + j * n + i] == 1:
+                        holders[i] = other
+            return [code == 1 for code in codes[:n]], holders
+        raise AssertionError("unreachable")
+
     def drop_corrupt(self, keys: Sequence[str]) -> None:
         """Remove values that fail verification so a correct put can take their place."""
         with self._count_lock:

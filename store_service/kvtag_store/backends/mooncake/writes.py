@@ -2,11 +2,14 @@
 
 Every put registers its mode in the namespace's mode directory first, then checks which of its
 blocks are there already (in its mode: ALREADY_PRESENT; in another: CONFLICT) with existence
-checks alone. Mooncake's put keeps an existing value and still returns 0, so what a put did is
-read back from the stored header (`Writes._judge`: only our own writer nonce proves a store).
-After the put, the other modes' keys are checked again (`Writes._yield`): a block another mode
-stored meanwhile makes ours go (removed) and answer CONFLICT, so one address never stays held by
-two modes (mooncake.modes says why this cannot miss).
+checks alone, and puts the rest. After the put one more existence check settles each block
+(`Writes._outcomes`) and checks the other modes' keys again: a block another mode stored
+meanwhile makes ours go (removed) and answer CONFLICT, so one address never stays held by two
+modes (mooncake.modes says why this cannot miss). No header is read back on that path, which
+leaves one race open: two writers of one key in the *same* mode whose puts both start within
+one existence check of each other can both answer STORED (Mooncake keeps the first value and
+returns 0 to both); the stored value is one of theirs, in their mode. A batch put whose single
+return code is ambiguous is judged by the stored headers instead (our writer nonce).
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ _VERIFY_ATTEMPTS = 5
 _VERIFY_BACKOFF_S = 0.02
 _NO_OUTCOME = PutResult(PutOutcome.REJECTED, "internal: no outcome")
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
+_STORED = PutResult(PutOutcome.STORED)
+_VANISHED = PutResult(
+    PutOutcome.REJECTED,
+    "Mooncake accepted the put but the value was not there afterwards (removed or evicted at once); "
+    "not counted as stored",
+)
 
 
 def conflict(holder: str) -> PutResult:
@@ -108,9 +117,7 @@ class Writes:
                 return PutResult(PutOutcome.REJECTED, self._put_failure(rc))
             verdict = self._confirm(namespace_id, mode_id, _Sent([address], [mkey], [nonce], [rc]))
             if verdict is not Undecided.DROPPED:
-                results: list[PutResult | None] = [verdict]
-                self._yield(namespace_id, mode_id, [address], [mkey], results)
-                return results[0] or _NO_OUTCOME
+                return verdict
         return PutResult(PutOutcome.REJECTED, "the key held a corrupt value; it was dropped, retry the put")
 
     def check(
@@ -164,7 +171,7 @@ class Writes:
     ) -> PutResult | Literal[Undecided.DROPPED]:
         """What one put really did, read back until another writer's in-flight put has landed."""
         for attempt in range(_VERIFY_ATTEMPTS):
-            [verdict] = self._judge(namespace_id, mode_id, sent)
+            [verdict] = self._outcomes(namespace_id, mode_id, sent, per_key=True)
             if verdict is not Undecided.IN_FLIGHT:
                 return verdict
             time.sleep(_VERIFY_BACKOFF_S * (attempt + 1))
@@ -240,17 +247,13 @@ class Writes:
         rc = self._client.put_batch(mkeys, blobs)
         self._cluster.breaker.screen([rc], "storing blocks", counted_unless=PUT_ACCEPTED)
         sent = _Sent([items[index][0] for index in chunk], mkeys, nonces, [rc] * len(chunk))
-        judged: list[PutResult | None] = []
-        for index, verdict in zip(chunk, self._judge(namespace_id, mode_id, sent), strict=True):
+        for index, verdict in zip(
+            chunk, self._outcomes(namespace_id, mode_id, sent, per_key=False), strict=True
+        ):
             if isinstance(verdict, Undecided):
                 single.append(index)
-                judged.append(None)
             else:
-                judged.append(verdict)
-        self._yield(namespace_id, mode_id, sent.addresses, mkeys, judged)
-        for index, outcome in zip(chunk, judged, strict=True):
-            if outcome is not None:
-                results[index] = outcome
+                results[index] = verdict
 
     def put_staged(
         self,
@@ -293,22 +296,51 @@ class Writes:
             codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
             self._cluster.breaker.screen(codes, "storing blocks", counted_unless=PUT_ACCEPTED)
             sent = _Sent(addresses, mkeys, nonces, codes)
-            judged: list[PutResult | None] = []
-            undecided: list[int] = []
-            for k, verdict in enumerate(self._judge(namespace_id, mode_id, sent)):
+            for n, verdict in zip(
+                taken, self._outcomes(namespace_id, mode_id, sent, per_key=True), strict=True
+            ):
+                # Undecided: only the single path can tell (it waits for an in-flight writer), from a copy.
                 if isinstance(verdict, Undecided):
-                    undecided.append(k)
-                    judged.append(None)
-                else:
-                    judged.append(verdict)
-            self._yield(namespace_id, mode_id, addresses, mkeys, judged)
-            for k in undecided:
-                # Only the single path can tell (it waits for an in-flight writer), from a copy.
-                address, staged = entries[taken[k]]
-                judged[k] = self.put(namespace_id, mode_id, address, bytes(staged.payload()))
-            for n, outcome in zip(taken, judged, strict=True):
-                results[n] = outcome
+                    address, staged = entries[n]
+                    verdict = self.put(namespace_id, mode_id, address, bytes(staged.payload()))
+                results[n] = verdict
         return [r if r is not None else _NO_OUTCOME for r in results]
+
+    def _outcomes(
+        self, namespace_id: str, mode_id: str, sent: _Sent, *, per_key: bool
+    ) -> list[PutResult | Undecided]:
+        """Each sent value's outcome: the one place a put is judged. With a code per key, one
+        existence check after the put settles it (the check before it already answered the blocks
+        that were there): accepted with 0 and there is STORED, -703 (another writer's put was in
+        flight) and there is ALREADY_PRESENT; a block another mode holds too is removed and
+        CONFLICT. `put_batch` returns one code for the whole batch, so a -703 there cannot say
+        which key it was about: those batches are judged by their stored headers (our nonce)."""
+        if not per_key and any(code == MooncakeCode.OBJECT_ALREADY_EXISTS for code in sent.codes):
+            verdicts = self._judge(namespace_id, mode_id, sent)
+            judged = [v if isinstance(v, PutResult) else None for v in verdicts]
+            self._yield(namespace_id, mode_id, sent.addresses, sent.mkeys, judged)
+            return [j if j is not None else v for j, v in zip(judged, verdicts, strict=True)]
+        here, holders = self._cluster.after_put(
+            namespace_id, mode_id, sent.addresses, sent.mkeys, "confirming a store"
+        )
+        out: list[PutResult | Undecided] = []
+        lost: list[str] = []
+        for mkey, code, present, holder in zip(sent.mkeys, sent.codes, here, holders, strict=True):
+            if code not in PUT_ACCEPTED:
+                out.append(PutResult(PutOutcome.REJECTED, self._put_failure(code)))
+            elif code == MooncakeCode.OBJECT_ALREADY_EXISTS:
+                out.append(_ALREADY_PRESENT if present else Undecided.IN_FLIGHT)
+            elif not present:
+                self._cluster.errors.add(MooncakeCode.OBJECT_NOT_FOUND)
+                out.append(_VANISHED)
+            elif holder is not None:
+                lost.append(mkey)
+                out.append(conflict(holder))
+            else:
+                out.append(_STORED)
+        if lost:
+            self._client.batch_remove(lost, True)
+        return out
 
     def _judge(self, namespace_id: str, mode_id: str, sent: _Sent) -> list[PutResult | Undecided]:
         """Each sent value's outcome from its stored header, read back for all at once: the one place
