@@ -145,6 +145,8 @@ class ServeDefaults:
     workers: int = 16
     # Memory backend: tenants without a --tenant-quota holding an arena at once (docs/operations.md).
     max_tenant_arenas: int = 16
+    # Memory backend: "full" touches the capacity up front, "lazy" only a window ahead of use.
+    prefault: str = "full"
 
 
 CONFIG = ServiceConfig()
@@ -217,6 +219,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         str(SERVE.max_tenant_arenas),
         "memory backend: tenants without a --tenant-quota holding an arena (memory of their own) at once; "
         "a session of one more tenant is refused NAMESPACE_CAP_REACHED until one's namespaces are forgotten",
+    )
+    flag(
+        "--prefault",
+        SERVE.prefault,
+        "memory backend: full touches the capacity's pages from the first session on, in the background "
+        "(RSS = capacity after it settles); lazy touches only a window ahead of use (RSS grows with use, "
+        "and a put may wait for first touches)",
+        choices=["full", "lazy"],
     )
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")

@@ -110,6 +110,10 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.reaper = Reaper.for_ttl(self.reap, config.session_ttl_ms)
         metrics.watch(backend.stats, self.census.live_sessions)
         metrics.watch_census(self.census.namespace_count)
+        if self.capabilities.forgetting is not None:
+            metrics.watch_arenas(
+                self.capabilities.forgetting.arenas, self.capabilities.forgetting.prefault_progress
+            )
 
     # -- lifecycle ----------------------------------------------------------
 

@@ -149,6 +149,7 @@ def _build_backend(args: argparse.Namespace, security: options.Security) -> tupl
             shm_dir=args.shm_dir or None,
             shm_groups=security.shm_groups,
             max_tenant_arenas=int(args.max_tenant_arenas),
+            prefault=args.prefault,
         ),
         MemoryCensus(),
     )

@@ -54,6 +54,10 @@ EXTENT = 2 << 20
 # waits for first-touch faults unless it outruns this window. Beyond it, an arena is touched up front
 # to its `eager` size (the capacity its pool leaves it) from the moment it is created.
 PREFAULT_WINDOW = 64 << 20
+# The up-front (eager) prefault runs this many threads over disjoint chunks of this size: page
+# zeroing is per-core work, so one thread leaves the other cores idle.
+PREFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
+PREFAULT_CHUNK = 32 << 20
 _GENERATION = struct.Struct("<Q")
 
 
@@ -177,6 +181,10 @@ class Arena:
         self._window = min(PREFAULT_WINDOW, max(EXTENT, size // 4))
         self._eager = min(size, _round_up(eager, EXTENT))
         self._fault_lock = threading.Lock()
+        # Chunks being touched without the fault lock (prefault_eager); close() waits for them, so the
+        # mapping and the file descriptor outlive every call on them.
+        self._touching = 0
+        self._untouched = threading.Condition(self._fault_lock)
         self._closed = False
         # When a session of the tenant last needed the arena (time.monotonic()): the backend frees an
         # arena no namespace uses only once it is idle since before the census's sweep.
@@ -307,13 +315,88 @@ class Arena:
             return True
 
     def prefault_ahead(self) -> None:
-        """Touch pages up to the eager size and the prefault window above the bump pointer, an extent at a
-        time, so puts find their slots faulted. Called from the backend's prefault thread, outside the
-        backend lock (the fault lock is taken per extent, so a put that outruns it waits one extent)."""
+        """Touch pages up to the eager size (prefault_eager), then the prefault window above the bump
+        pointer an extent at a time, so puts find their slots faulted. Called from the prefault thread,
+        outside the backend lock (the fault lock is taken per extent, so a put that outruns it waits one
+        extent)."""
+        if self._faulted < self._eager:
+            self.prefault_eager(PREFAULT_THREADS)
         while not self._closed and self._faulted < max(self._eager, min(self.size, self._top + self._window)):
             with self._fault_lock:
                 if self._closed or not self._fault_extent():
                     return
+
+    def prefault_eager(self, threads: int) -> bool:
+        """Reserve and touch [faulted, eager) with `threads` threads, each taking the next chunk in
+        order; the touched prefix (`faulted_bytes`, published in the header) advances over finished
+        chunks, so puts and mapping clients use the lower pages while the upper ones are still
+        touched. False when the file system is full or the arena closed."""
+        claim = threading.Lock()
+        chunks = iter(range(self._faulted, self._eager, PREFAULT_CHUNK))
+        done: dict[int, int] = {}  # finished chunks above the touched prefix: start -> end
+        failed: list[int] = []
+
+        def work() -> None:
+            while True:
+                with claim:
+                    start = next(chunks, None)
+                end = min(self._eager, start + PREFAULT_CHUNK) if start is not None else 0
+                with self._fault_lock:
+                    if start is None or failed or self._closed:
+                        return
+                    self._touching += 1
+                touched = self._reserve_and_touch(start, end)
+                with self._fault_lock:
+                    self._touching -= 1
+                    self._untouched.notify_all()
+                    if not touched:
+                        failed.append(start)
+                        return
+                    done[start] = end
+                    self._advance(done)
+
+        workers = [
+            threading.Thread(target=work, name=f"kvtag-prefault-{n}", daemon=True) for n in range(threads - 1)
+        ]
+        for worker in workers:
+            worker.start()
+        work()
+        for worker in workers:
+            worker.join()
+        return not failed and not self._closed
+
+    def _advance(self, done: dict[int, int]) -> None:
+        """Move the touched prefix over finished chunks that reach it (a put may have moved it into one
+        meanwhile, an extent at a time). Caller holds the fault lock."""
+        moved = True
+        while moved:
+            moved = False
+            for start, end in list(done.items()):
+                if start <= self._faulted:
+                    del done[start]
+                    if end > self._faulted:
+                        self._faulted = end
+                        moved = True
+        if not self._closed:
+            pages.publish_faulted(self._mmap, self._faulted)
+
+    def _reserve_and_touch(self, start: int, end: int) -> bool:
+        """Reserve [start, end) of the file and map its pages in this process, with no lock held (both
+        calls release the GIL; a put faulting the same pages meanwhile is harmless). The caller counts
+        itself in `_touching`, so close() waits."""
+        if self._fd >= 0:
+            try:
+                os.posix_fallocate(self._fd, start, end - start)
+            except OSError as exc:
+                log.warning(
+                    "shared-memory arena %s cannot grow to %d bytes (%s); evicting instead",
+                    self.segment,
+                    end,
+                    exc,
+                )
+                return False
+        populate_write(self._mmap, start, end - start)
+        return True
 
     def wants_prefault(self) -> bool:
         return self._faulted < max(self._eager, min(self.size, self._top + self._window // 2))
@@ -344,6 +427,8 @@ class Arena:
     def close(self) -> None:
         with self._fault_lock:
             self._closed = True
+            while self._touching:
+                self._untouched.wait()
         with contextlib.suppress(BufferError, ValueError):
             self.view.release()
             self._mmap.close()

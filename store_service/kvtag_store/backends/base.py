@@ -246,6 +246,14 @@ class Forgetting(Protocol):
         Returns the bytes of memory given back."""
         ...
 
+    def arenas(self) -> int:
+        """Tenant arenas held now."""
+        ...
+
+    def prefault_progress(self) -> tuple[int, int]:
+        """(bytes touched, bytes to touch) of the up-front prefault (--prefault=full)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:

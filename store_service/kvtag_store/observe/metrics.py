@@ -73,6 +73,23 @@ class StoreMetrics:
         gauge = Gauge("kvtag_census_namespaces", "Namespaces the census holds", registry=self.registry)
         gauge.set_function(lambda: float(namespaces()))
 
+    def watch_arenas(self, arenas: Callable[[], int], prefault: Callable[[], tuple[int, int]]) -> None:
+        """The memory backend's tenant arenas (--max-tenant-arenas bounds them) and its up-front prefault:
+        touched reaching target means the store has settled (docs/operations.md, "Prefault")."""
+        Gauge("kvtag_tenant_arenas", "Tenant arenas held", registry=self.registry).set_function(
+            lambda: float(arenas())
+        )
+        touched = Gauge(
+            "kvtag_prefault_touched_bytes", "Bytes the up-front prefault has touched", registry=self.registry
+        )
+        touched.set_function(lambda: float(prefault()[0]))
+        target = Gauge(
+            "kvtag_prefault_target_bytes",
+            "Bytes the up-front prefault touches in all",
+            registry=self.registry,
+        )
+        target.set_function(lambda: float(prefault()[1]))
+
 
 class _StoreCollector(Collector):
     def __init__(self, stats: Callable[[], BackendStats], live_sessions: Callable[[], int]) -> None:

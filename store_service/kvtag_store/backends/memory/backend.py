@@ -79,16 +79,21 @@ class MemoryBackend:
         shm_groups: Mapping[str, int] | None = None,
         key_index_lag: int = KEY_INDEX_LAG,
         max_tenant_arenas: int = MAX_TENANT_ARENAS,
+        prefault: str = "full",
     ) -> None:
         """`shm_dir` (e.g. /dev/shm): where tenant arenas are created as files same-host clients may map;
         None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
         file is shared with (mode 0660); other tenants' files stay 0600. `key_index_lag`: stores and
         removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup).
-        `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant)."""
+        `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant).
+        `prefault`: "full" touches each pool's first arena up to the pool's capacity from its creation
+        (RSS committed up front, puts never wait for first touches); "lazy" only a window ahead of use."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         if max_tenant_arenas <= 0:
             raise ValueError("max_tenant_arenas must be positive")
+        if prefault not in ("full", "lazy"):
+            raise ValueError(f"prefault must be full or lazy, got {prefault!r}")
         quotas = dict(tenant_quotas or {})
         if sum(quotas.values()) > capacity_bytes:
             raise ValueError(
@@ -109,6 +114,9 @@ class MemoryBackend:
         self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
         self._key_index_lag = key_index_lag
         self._max_tenant_arenas = max_tenant_arenas
+        if prefault == "lazy":
+            for pool in self._pools:
+                pool.eager_left = 0
         self._allocator = Allocator(self._namespaces, self._pools)
         self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
         self._reader = Reader(self._lock, self._namespaces)
@@ -187,6 +195,12 @@ class MemoryBackend:
         """Arenas held, of every tenant."""
         with self._lock:
             return len(self._arenas)
+
+    def prefault_progress(self) -> tuple[int, int]:
+        """(bytes touched, bytes to touch) of the up-front prefault, over every arena that has one."""
+        with self._lock:
+            eager = [arena for arena in self._arenas.values() if arena.eager]
+        return sum(min(a.faulted_bytes, a.eager) for a in eager), sum(a.eager for a in eager)
 
     def namespace_count(self) -> int:
         """Namespaces the backend keeps state for (with blocks or not)."""
