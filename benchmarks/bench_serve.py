@@ -59,6 +59,7 @@ class Bench:
         self.models = build(work.parent / "models" if args.models is None else args.models, Shape())
         self.records: list[dict[str, Any]] = []
         self.prefill: dict[str, Any] = {}
+        self.measure_prefill_first = not args.quick
         # The service and client run from this working tree: what they were when the run began.
         self.commit = git_describe()
         self.dirty = subprocess.run(
@@ -115,8 +116,9 @@ class Bench:
                 env={"MOONCAKE_CONFIG_PATH": str(config)},
                 speculative=speculative,
             )
+        extra = {**self.args.kvtag_config, **kvtag}
         return ServerSpec(
-            engine, kvtag_transfer(self.stores[system].endpoint, engine, **kvtag), speculative=speculative
+            engine, kvtag_transfer(self.stores[system].endpoint, engine, **extra), speculative=speculative
         )
 
     # -- servers and runs ------------------------------------------------------------------------
@@ -192,6 +194,7 @@ class Bench:
             "quick": self.args.quick,
             "commit": self.commit,
             "dirty_paths": [p for p in self.dirty if p],
+            "kvtag_config": self.args.kvtag_config,
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
             "model": {**shape.__dict__, "kv_bytes_per_token": shape.kv_bytes_per_token(), **self.prefill},
             "records": self.records,
@@ -217,6 +220,8 @@ class Bench:
                     server.stop()
             consumers = self.start([self.spec(s, "consumer") for s in systems])
             try:
+                if self.measure_prefill_first and "none" in systems:
+                    self.measure_prefill(consumers[systems.index("none")])
                 for load, rates in loads:
                     for rate in rates:
                         for server, system in zip(consumers, systems, strict=True):
@@ -245,60 +250,54 @@ class Bench:
                     server.stop()
 
     def speculative(self, load: Workload) -> None:
-        """Cross-engine under EAGLE: kvtag with lookahead keys, kvtag with the legacy last-block drop
-        (lookahead off), the peer, and none."""
-        scenario = "spec-eagle"
-        variants = [
-            ("none", "eagle", {}),
+        """Cross-engine under EAGLE, and the mismatch, on one set of producers.
+
+        spec-eagle: kvtag with lookahead keys, kvtag with the legacy last-block drop (lookahead off),
+        the peer, and none, all consumers under EAGLE. mismatch: consumers without speculative
+        decoding read what EAGLE producers stored (kvtag-mc: lookahead keys, L=1, against the
+        consumer's L=0; the peer: the same two engines); each records what its log told the operator.
+        """
+        producers = [
             ("kvtag-mem", "eagle-lookahead", {}),
             ("kvtag-mem", "eagle-legacy", {"lookahead": "off"}),
+            ("kvtag-mc", "eagle-lookahead", {}),
             ("peer", "eagle", {}),
         ]
-        with self.stores_for(scenario):
-            stored = [v for v in variants if v[0] != "none"]
-            # The two kvtag variants hash differently (two modes), so each fills its own blocks.
-            servers = self.start([self.spec(s, "producer", eagle=True, **kv) for s, _, kv in stored])
+        consumers = [
+            ("spec-eagle", "none", "eagle", True),
+            ("spec-eagle", "kvtag-mem", "eagle-lookahead", True),
+            ("spec-eagle", "kvtag-mem", "eagle-legacy", True),
+            ("spec-eagle", "peer", "eagle", True),
+            ("mismatch", "kvtag-mc", "eagle-producer/spec-off-consumer", False),
+            ("mismatch", "peer", "eagle-producer/spec-off-consumer", False),
+        ]
+        settings = {f"{s}/{v}": kv for s, v, kv in producers}
+        with self.stores_for("spec-eagle"):
+            servers = self.start([self.spec(s, "producer", eagle=True, **kv) for s, _, kv in producers])
             try:
-                for server, (system, variant, _) in zip(servers, stored, strict=True):
-                    self.measure(server, scenario, f"{system}/{variant}", "producer", load, CLOSED)
+                for server, (system, variant, _) in zip(servers, producers, strict=True):
+                    self.measure(server, "spec-eagle", f"{system}/{variant}", "producer", load, CLOSED)
                 time.sleep(SAVE_SETTLE_S)
             finally:
                 for server in servers:
                     server.stop()
-            servers = self.start([self.spec(s, "consumer", eagle=True, **kv) for s, _, kv in variants])
+            specs = [
+                self.spec(s, "consumer", eagle=eagle, **settings.get(f"{s}/{v}", {}))
+                for _, s, v, eagle in consumers
+            ]
+            servers = self.start(specs)
             try:
-                for server, (system, variant, _) in zip(servers, variants, strict=True):
-                    self.measure(server, scenario, f"{system}/{variant}", "consumer", load, CLOSED)
+                for server, (scenario, system, variant, _) in zip(servers, consumers, strict=True):
+                    record = self.measure(server, scenario, f"{system}/{variant}", "consumer", load, CLOSED)
+                    if scenario == "mismatch":
+                        record["operator_told"] = report.operator_lines(server.log_text())
             finally:
                 for server in servers:
                     server.stop()
 
-    def mismatch(self, load: Workload) -> None:
-        """The producer runs EAGLE (kvtag: lookahead keys), the consumer does not (kvtag: legacy keys),
-        under kvtag's strict policy; the peer gets the same two engines."""
-        scenario = "mismatch"
-        systems = ("kvtag-mem", "kvtag-mc", "peer")
-        with self.stores_for(scenario, policy="strict"):
-            servers = self.start([self.spec(s, "producer", eagle=True) for s in systems])
-            try:
-                for server, system in zip(servers, systems, strict=True):
-                    self.measure(server, scenario, system, "producer", load, CLOSED)
-                time.sleep(SAVE_SETTLE_S)
-            finally:
-                for server in servers:
-                    server.stop()
-            servers = self.start([self.spec(s, "consumer") for s in systems])
-            try:
-                for server, system in zip(servers, systems, strict=True):
-                    record = self.measure(server, scenario, system, "consumer", load, CLOSED)
-                    record["operator_told"] = report.operator_lines(server.log_text())
-            finally:
-                for server in servers:
-                    server.stop()
-
-    def measure_prefill(self) -> None:
-        """The model's prefill rate on one fresh server without a store: a 2,048-token prompt, 3 times."""
-        server = self.start([ServerSpec("prefill-probe")])[0]
+    def measure_prefill(self, server: Server) -> None:
+        """The model's prefill rate on a fresh server without a store: a 2,048-token prompt, 3 times;
+        the local cache is emptied after."""
         try:
             times = []
             for i in range(3):
@@ -313,7 +312,7 @@ class Bench:
             }
             print(f"prefill of 2,048 tokens: {', '.join(f'{x:.2f}' for x in times)} s", flush=True)
         finally:
-            server.stop()
+            server.reset_local_cache()
 
 
 def reexec_in_netns() -> int:
@@ -334,8 +333,14 @@ def main() -> int:
         "--requests", type=int, default=None, help="requests per run (default: 8 quick, 24 full)"
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--scenarios", default="cross-engine,capacity,spec,mismatch")
+    parser.add_argument("--scenarios", default="cross-engine,capacity,spec")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kvtag-config",
+        type=json.loads,
+        default={},
+        help="extra kv_connector_extra_config keys for every kvtag server, e.g. '{\"lookup_wait_ms\": 200}'",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
     parser.add_argument("--plot", type=Path, default=None, help="PNG to draw (default: none)")
     parser.add_argument("--models", type=Path, default=None, help="where the random models are built/reused")
@@ -360,8 +365,7 @@ def main() -> int:
         )
         bench.cross_engine([(load, [CLOSED])], systems)
     else:
-        requests = args.requests or 24
-        bench.measure_prefill()
+        requests = args.requests or 16
         repetition = prefix_repetition(
             requests, prefixes=requests // 4, prefix_len=2048, suffix_len=256, output_len=32
         )
@@ -380,10 +384,8 @@ def main() -> int:
                 requests * 2, prefixes=requests // 2, prefix_len=1024, suffix_len=128, output_len=16
             )
             bench.capacity(many, blocks=96, systems=systems)
-        if "spec" in scenarios:
+        if "spec" in scenarios:  # and the mismatch, on the same producers
             bench.speculative(chat)
-        if "mismatch" in scenarios:
-            bench.mismatch(chat)
     document = bench.document()
     document["duration_s"] = round(time.monotonic() - started, 1)
     args.out.write_text(json.dumps(document, indent=1) + "\n")

@@ -28,6 +28,7 @@ BLOCK = 32
 MAX_MODEL_LEN = 8192
 START_TIMEOUT_S = 900.0
 SHUTDOWN_TIMEOUT_S = 30
+LOCAL_BLOCKS = 1024
 COUNTERS = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
@@ -103,6 +104,8 @@ class Server:
             "--shutdown-timeout",
             str(SHUTDOWN_TIMEOUT_S),
             "--disable-uvicorn-access-log",
+            # 1,024 blocks (32,768 tokens, 256 MiB) hold any load's working set; capacity overrides it.
+            f"--num-gpu-blocks-override={LOCAL_BLOCKS}",
             *spec.extra_args,
         ]
         if spec.kv_transfer is not None:
