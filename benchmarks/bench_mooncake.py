@@ -8,7 +8,8 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 - service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
             and the same service over its memory backend (gRPC + service layer without Mooncake);
 - parts:    where the backend's extra time goes, each part timed alone on the same blocks
-            (CRC-32 of the values, the header read-back of a put, the existence check of a get);
+            (CRC-32 of the values, a header read of each block, which puts no longer do but a
+            read-back would cost, and the existence check of a get);
 - client:   kvtag_client's StoreClient (what the connector calls: put, get) against the same
             service over Mooncake, on the shared-memory path (values staged in arena slots Mooncake
             reads into and writes from) and on the inline path, and over the memory backend's
@@ -381,8 +382,8 @@ def table(results: dict[str, Any]) -> str:
         ratio = row["overhead_ratio"]
         label = f"{int(size) // KiB}KiB" if int(size) < MiB else f"{int(size) // MiB}MiB"
         for op, backend, parts in (
-            ("put", "backend_put", f"crc32 {med['crc32']:.1f}, header read-back {med['put_readback']:.1f}"),
-            ("putN", "backend_put_many", "put_many: one put_batch + one read-back per chunk"),
+            ("put", "backend_put", f"crc32 {med['crc32']:.1f}, a header read each {med['put_readback']:.1f}"),
+            ("putN", "backend_put_many", "put_many: existence checks + one put_batch per chunk"),
             ("get", "backend_get", f"crc32 {med['crc32']:.1f}, existence check {med['get_exist_check']:.1f}"),
         ):
             kind = "get" if op == "get" else "put"
