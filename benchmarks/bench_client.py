@@ -261,11 +261,11 @@ def get_all(client: StoreClient, keys: Sequence[bytes], values: Sequence[bytes],
 
 def grpc_shape(value_size: int, per_batch: int) -> tuple[int, int]:
     """(values per message, calls in flight) the client uses for a batch of this shape."""
-    from kvtag_client import inline_transfer
+    from kvtag_client.inline import transfer
 
-    share = -(-value_size * per_batch // inline_transfer._IN_FLIGHT)
-    target = min(inline_transfer._MAX_MESSAGE, max(inline_transfer._MIN_MESSAGE, share))
-    return max(1, target // (value_size + inline_transfer._ITEM_OVERHEAD)), inline_transfer._IN_FLIGHT
+    share = -(-value_size * per_batch // transfer.IN_FLIGHT)
+    target = min(transfer.MAX_MESSAGE, max(transfer.MIN_MESSAGE, share))
+    return max(1, target // (value_size + transfer.ITEM_OVERHEAD)), transfer.IN_FLIGHT
 
 
 class RawGrpc:
@@ -453,7 +453,7 @@ def lookup_calls(
     v1_request = pb.LookupRequest(
         session_id=client.session_id, blocks=[pb.BlockRef(key=k) for k in keys], lease_ms=200
     ).SerializeToString()
-    v1_call = client._channel.unary_unary(
+    v1_call = client.session.channel.unary_unary(
         "/kvtag.v1.KvStore/Lookup",
         request_serializer=None,
         response_deserializer=pb.LookupResponse.FromString,

@@ -4,7 +4,7 @@ One run measures, interleaved per repeat so machine noise hits every column alik
 
 - kvtag Put and Get throughput (GB/s, 1 GB = 1e9 bytes) for 64 KiB, 1 MiB and 4 MiB values, batched
   under the server's Limits.max_message_bytes, against a real `kvtag-store serve` subprocess. Put
-  requests are encoded inside the timer by the client library's encoder (kvtag_client.put_encoding,
+  requests are encoded inside the timer by the client library's encoder (kvtag_client.inline.put_encoding,
   what StoreClient sends); at 1 MiB also through the generated stubs, for comparison. Get goes
   through the generated stubs, as in StoreClient;
 - the same bytes through a plain gRPC bytes service in its own subprocess with the kvtag server's
@@ -754,7 +754,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "server_threading": f"both servers: grpc sync server, ThreadPoolExecutor({args.workers})",
             "session": kv.session_info,
             "GB": "1e9 bytes",
-            "timed": "the RPC calls (client encoding of Put requests by kvtag_client.put_encoding, or upb "
+            "timed": "the RPC calls (client encoding of Put requests by kvtag_client.inline.put_encoding, "
+            "or upb "
             "serialization of prepared messages for kvtag_put_generated and Get, transport, server, client "
             "parse, Get value extraction); building item lists and Get/generated Put messages is outside",
         },

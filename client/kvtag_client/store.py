@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Self, TypeVar, overload
 
-import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.channels import ChannelSecurity
 from kvtag_proto.errors import KvtagError
@@ -136,8 +135,6 @@ class StoreClient:
         if data_path == "auto":
             self.session.on_open.append(self.shm.attach)
         self.session.on_close.append(self.shm.close)
-        # The channel, for tools that send a raw call on it (benchmarks/bench_client.py).
-        self._channel: grpc.Channel = self.session.channel
 
     # ---- session -------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The hand-written codecs' view of the schema, pinned against the generated descriptors.
 
-kvtag_store.api.codec (Lookup and Put parsing, Get encoding) and kvtag_client.put_encoding (Put encoding)
+kvtag_store.api.codec (Lookup and Put parsing, Get encoding) and kvtag_client.inline.put_encoding (Put
+encoding)
 write field numbers and wire types by hand, and the Put parser skips fields it does not know. A field
 added to one of these messages would pass their hypothesis tests, which only build known fields,
 and be dropped silently. So every message they touch is pinned here in full: a change to the proto
@@ -52,7 +53,7 @@ PINNED: dict[str, dict[str, tuple[int, int, bool, str]]] = {
         "group": (2, VARINT, False, ""),
         "base_key": (3, LENGTH_DELIMITED, False, ""),
     },
-    # wire.parse_put / put_encoding: 0x0a session_id, 0x12 items.
+    # codec.parse_put / put_encoding: 0x0a session_id, 0x12 items.
     "PutRequest": {
         "session_id": (1, LENGTH_DELIMITED, False, ""),
         "items": (2, LENGTH_DELIMITED, True, "kvtag.v1.PutItem"),

@@ -20,13 +20,13 @@ from kvtag_client.inline.put_encoding import PutItemFields, encode_put_request
 # Bytes a Put message spends on an item beside its key, base key and value (tags, lengths).
 ITEM_OVERHEAD = 32
 # Puts and gets travel as unary messages of about a quarter of the batch (between these bounds),
-# up to _IN_FLIGHT at a time, so the client's encoding or decoding of one overlaps the server's work
+# up to IN_FLIGHT at a time, so the client's encoding or decoding of one overlaps the server's work
 # on another. Messages stay well under the server limit: a fresh multi-MiB buffer costs page faults
 # on both sides, and 4 MiB is also gRPC's default receive limit (docs/benchmarks.md, "Figures behind
 # choices in the code").
-_MIN_MESSAGE = 256 << 10
-_MAX_MESSAGE = (1 << 20) + (64 << 10)
-_IN_FLIGHT = 4
+MIN_MESSAGE = 256 << 10
+MAX_MESSAGE = (1 << 20) + (64 << 10)
+IN_FLIGHT = 4
 
 
 class InlinePath:
@@ -80,8 +80,8 @@ class InlinePath:
 
     def message_target(self, total_bytes: int) -> int:
         """Bytes per message for a transfer of total_bytes: about a share of the batch per call in flight."""
-        share = -(-total_bytes // _IN_FLIGHT)
-        return max(1, min(self.caller.message_budget(), _MAX_MESSAGE, max(_MIN_MESSAGE, share)))
+        share = -(-total_bytes // IN_FLIGHT)
+        return max(1, min(self.caller.message_budget(), MAX_MESSAGE, max(MIN_MESSAGE, share)))
 
     def put_messages(
         self, items: Sequence[PutItemFields], sendable: list[int], target: int
@@ -156,14 +156,14 @@ class InlinePath:
 def _pipelined(
     call: grpc.UnaryUnaryMultiCallable, requests: Iterable[bytes], timeout: float
 ) -> Iterator[Any]:
-    """Responses of call(request) in request order, with up to _IN_FLIGHT calls outstanding. The next
+    """Responses of call(request) in request order, with up to IN_FLIGHT calls outstanding. The next
     request is built (encoded) while earlier ones are on the wire. A failure cancels the rest."""
     pending: collections.deque[grpc.Future] = collections.deque()
     deadline = time.monotonic() + timeout
     try:
         for request in requests:
             pending.append(call.future(request, timeout=max(0.0, deadline - time.monotonic())))
-            if len(pending) >= _IN_FLIGHT:
+            if len(pending) >= IN_FLIGHT:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
