@@ -185,6 +185,7 @@ class MemoryBackend:
             ]
             for tenant, _ in idle:
                 del self._arenas[tenant]
+                self._allocator.evictions.pop(tenant, None)  # its per-tenant series goes with it
         freed = 0
         for _, arena in idle:
             freed += arena.faulted_bytes
