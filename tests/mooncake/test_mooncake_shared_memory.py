@@ -441,3 +441,43 @@ def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(small_stag
         assert reader.get([(0, f"doomed-{i}".encode()) for i in range(4)]) == [None] * 4
     finally:
         reader.close()
+
+
+def test_one_round_trip_puts_are_byte_exact_while_the_cluster_evicts(tmp_path: Path, shm_dir: Path) -> None:
+    """StoreClient's puts over Mooncake go into spare slots (one CommitSlots each) while a 32 MiB
+    cluster is written past its size, so Mooncake evicts under them: every value served is
+    exact, the rest are misses."""
+    own = MooncakeCluster(tmp_path, lease_ttl_ms=1000)
+    own.start_master()
+    own.start_storage(32 << 20)
+    replica = Replica(own, tmp_path, "evicting", [f"--shm-dir={shm_dir}", "--mooncake-shm-staging=64MiB"])
+    replica.start()
+    client = client_of(replica, "t-" + uuid.uuid4().hex[:8])
+    try:
+        assert client.data_path == "shared_memory"
+        written: list[tuple[tuple[int, bytes], bytes]] = []
+        spared_puts = 0
+        for round_ in range(24):
+            items = [(0, f"r{round_}-b{i}".encode(), os.urandom(512 << 10), b"") for i in range(8)]
+            if client.shm.spares.held().get(512 << 10, 0) >= len(items):
+                spared_puts += 1  # this put needs no ReserveSlots
+            statuses = client.put(items)
+            assert set(statuses) <= {pb.STORED, pb.REJECTED}, statuses  # REJECTED: full while evicting
+            written += [
+                ((g, k), v)
+                for (g, k, v, _), status in zip(items, statuses, strict=True)
+                if status == pb.STORED
+            ]
+            time.sleep(0.05)
+            sample = written[-8:] + written[:8]
+            got = client.get([address for address, _ in sample])
+            for (address, value), served in zip(sample, got, strict=True):
+                assert served is None or bytes(served) == value, address
+        assert spared_puts >= 12, spared_puts
+        stats: pb.GetStatsResponse = replica.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        assert stats.evictions > 0
+        assert len(written) * (512 << 10) > (32 << 20)  # more than the cluster holds
+    finally:
+        client.close()
+        replica.stop()
+        own.stop()
