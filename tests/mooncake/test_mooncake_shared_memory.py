@@ -462,6 +462,7 @@ def test_one_round_trip_puts_are_byte_exact_while_the_cluster_evicts(tmp_path: P
             if client.shm.spares.held().get(512 << 10, 0) >= len(items):
                 spared_puts += 1  # this put needs no ReserveSlots
             statuses = client.put(items)
+            assert statuses is not None, "the put degraded (the store was unreachable)"
             assert set(statuses) <= {pb.STORED, pb.REJECTED}, statuses  # REJECTED: full while evicting
             written += [
                 ((g, k), v)

@@ -49,7 +49,8 @@ def publish_faulted(memory: mmap.mmap, end: int) -> None:
     _FAULTED.pack_into(memory, FAULTED_OFFSET, end)
 
 
-def faulted(memory: mmap.mmap) -> int:
+def faulted(memory: mmap.mmap | memoryview) -> int:
+    """The touched prefix the arena header publishes (a mapping or a view over one)."""
     value: int = _FAULTED.unpack_from(memory, FAULTED_OFFSET)[0]
     return value
 
