@@ -22,7 +22,7 @@ from tests.descriptors import mode, namespace
 from .helpers import Store, error_of
 
 MAX_BATCH = 64
-_tenants = itertools.count()
+_namespaces = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def lookups(draw: st.DrawFn) -> tuple[int, list[Run], set[tuple[int, bytes]], se
     pool = draw(st.lists(st.binary(min_size=length, max_size=length), min_size=1, max_size=12, unique=True))
     runs: list[Run] = []
     for _ in range(draw(st.integers(1, 4))):
-        keys = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=24))
+        keys = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=MAX_BATCH // 4))  # within the limit
         base_length = draw(st.sampled_from([0, 0, length, 7]))
         bases = (
             [draw(st.binary(min_size=base_length, max_size=base_length)) for _ in keys] if base_length else []
@@ -93,7 +93,7 @@ def test_packed_lookup_answers_like_the_v1_form(
     server: Store, case: tuple[int, list[Run], set[tuple[int, bytes]], set[tuple[int, bytes]]]
 ) -> None:
     length, runs, mine, others = case
-    ns = namespace(tenant=f"packed-{next(_tenants)}")
+    ns = namespace(model=f"packed-{next(_namespaces)}", tenant="packed")
     session = server.open("engine-a", hashing=mode(lookahead=1), ns=ns).session_id
     other = server.open("engine-b", hashing=mode(lookahead=0), ns=ns).session_id
     _store(server, session, mine)
