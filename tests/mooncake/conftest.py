@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _needs_cluster(item: pytest.Item) -> bool:
     names = getattr(item, "fixturenames", ())
-    return any(name in names for name in ("cluster", "own_cluster", "replicas"))
+    return any(name in names for name in ("cluster", "own_cluster", "replicas", "ha_cluster"))
 
 
 @pytest.fixture(scope="session")

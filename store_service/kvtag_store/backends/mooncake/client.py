@@ -101,7 +101,11 @@ def pinned_config() -> Any:
 
 def _probe_master(master: str, timeout_s: float = 3.0) -> None:
     """Fail in milliseconds when nothing listens at the master address: Mooncake's setup would
-    retry for about a minute and a half before giving up."""
+    retry for about a minute and a half before giving up. An HA cluster is named by its etcd
+    endpoints (`etcd://HOST:PORT[;HOST:PORT...]`, the masters elect their leader there): the first
+    endpoint is probed."""
+    if master.startswith("etcd://"):
+        master = master.removeprefix("etcd://").split(";")[0].split(",")[0]
     host, _, port = master.rpartition(":")
     try:
         socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()

@@ -1,0 +1,97 @@
+"""A Mooncake cluster whose master runs in HA: etcd and two masters, the leader chosen through etcd.
+
+Clients and storage nodes name the cluster by its etcd endpoint (`etcd://HOST:PORT`); with
+`--enable_oplog` the masters replicate object metadata, so a new leader still knows the objects.
+Like MooncakeCluster, only inside a private network namespace.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+
+from tests.mooncake.mooncake_cluster import BIN, MooncakeCluster, require_private_netns
+from tests.net import free_port, wait_until
+
+
+@dataclass
+class HaMooncakeCluster(MooncakeCluster):
+    """etcd, two HA masters (the first started leads) and storage processes."""
+
+    etcd_port: int = field(default_factory=free_port)
+    etcd: subprocess.Popen[bytes] | None = None
+    masters: list[tuple[subprocess.Popen[bytes], int]] = field(
+        default_factory=list
+    )  # (process, metrics port)
+
+    @property
+    def master_address(self) -> str:
+        return f"etcd://127.0.0.1:{self.etcd_port}"
+
+    def start_master(self) -> None:
+        require_private_netns()
+        etcd = shutil.which("etcd")
+        assert etcd, "etcd is not installed (scripts/install_mooncake.sh installs etcd-server)"
+        log = open(self.workdir / "etcd.log", "ab")  # noqa: SIM115 - owned by the process
+        self.etcd = subprocess.Popen(
+            [
+                etcd,
+                f"--data-dir={self.workdir / 'etcd-data'}",
+                f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{self.etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{free_port()}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(self._etcd_listening, 20, "etcd to listen")
+        for n in range(2):
+            metrics_port = self.metrics_port if n == 0 else free_port()
+            log = open(self.workdir / f"master{n}.log", "ab")  # noqa: SIM115 - owned by the process
+            proc = subprocess.Popen(
+                [
+                    str(BIN / "mooncake_master"),
+                    "--enable_ha=true",
+                    "--enable_oplog=true",
+                    f"--etcd_endpoints=127.0.0.1:{self.etcd_port}",
+                    "--rpc_address=127.0.0.1",
+                    f"--rpc_port={self.master_port if n == 0 else free_port()}",
+                    "--metrics_host=127.0.0.1",
+                    f"--metrics_port={metrics_port}",
+                    f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+                    "--client_ttl=3",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            self.masters.append((proc, metrics_port))
+            if n == 0:
+                # It leads once it has found no master view and no oplog in etcd (seconds).
+                wait_until(self._healthy, 60, "the first HA mooncake_master /health")
+
+    def _etcd_listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.etcd_port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    def kill_leader(self) -> None:
+        """Kill the first master (the leader) and point the metrics at the one left."""
+        proc, _ = self.masters.pop(0)
+        proc.kill()
+        proc.wait(5)
+        self.metrics_port = self.masters[0][1]
+
+    def stop(self) -> None:
+        self.kill_storage()
+        for proc, _ in self.masters:
+            proc.kill()
+            proc.wait(5)
+        self.masters.clear()
+        if self.etcd is not None:
+            self.etcd.kill()
+            self.etcd.wait(5)
+            self.etcd = None
