@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvtag_store.backends.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
@@ -39,13 +38,13 @@ from kvtag_store.backends.base import (
     PutResult,
     ReadResult,
     SlotReference,
-    TenantUsage,
 )
 from kvtag_store.backends.memory.allocation import Allocator
 from kvtag_store.backends.memory.entries import KEY_INDEX_LAG, MISS_BYTE, Namespace, PinnedRuns, checksum
 from kvtag_store.backends.memory.pools import Pool
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
+from kvtag_store.backends.memory.usage import usage_report
 
 log = logging.getLogger("kvtag_store.backends.memory.backend")
 
@@ -413,44 +412,15 @@ class MemoryBackend:
 
     def stats(self) -> BackendStats:
         with self._lock:
-            keys: Counter[str] = Counter()
-            used: Counter[str] = Counter()
-            for ns in self._namespaces.values():
-                if ns.tenant is not None:
-                    keys[ns.tenant] += len(ns.entries)
-                    used[ns.tenant] += ns.used_bytes
-            evictions = self._allocator.evictions
-            tenants = set(keys) | set(self._tenant_pools) | {t for t in evictions if t is not None}
-            return BackendStats(
-                backend=self.name,
-                capacity_bytes=self._capacity,
-                used_bytes=sum(pool.used for pool in self._pools),
-                keys=sum(len(pool.lru) for pool in self._pools),
-                evictions=sum(evictions.values()),
-                leased_keys=sum(
-                    1
-                    for ns in self._namespaces.values()
-                    for address in ns.pinned_addresses()
-                    if address in ns.entries
-                ),
-                corrupted_dropped=self._reader.corrupted,
-                per_namespace={
-                    ns_id: (len(ns.entries), ns.used_bytes)
-                    for ns_id, ns in self._namespaces.items()
-                    if ns.entries
-                },
-                per_tenant={
-                    tenant: TenantUsage(
-                        keys=keys[tenant],
-                        used_bytes=used[tenant],
-                        quota_bytes=pool.capacity if (pool := self._tenant_pools.get(tenant)) else 0,
-                        evictions=evictions[tenant],
-                    )
-                    for tenant in tenants
-                },
-                shared_pool_bytes=self._shared.capacity,
-                reserved_bytes=sum(pool.reserved for pool in self._pools),
-                spare_bytes=sum(pool.spare for pool in self._pools),
+            return usage_report(
+                name=self.name,
+                capacity=self._capacity,
+                namespaces=self._namespaces,
+                pools=self._pools,
+                tenant_pools=self._tenant_pools,
+                shared=self._shared,
+                evictions=self._allocator.evictions,
+                corrupted=self._reader.corrupted,
             )
 
     def slots_in_use(self) -> int:

@@ -1,0 +1,60 @@
+"""The memory backend's usage report: what GetStats, /metrics and the status page show of it.
+
+A function of the backend's parts, apart from the facade, so the facade stays about the contract;
+the caller holds the backend's lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from kvtag_store.backends.base import BackendStats, TenantUsage
+from kvtag_store.backends.memory.entries import Namespace
+from kvtag_store.backends.memory.pools import Pool
+
+
+def usage_report(
+    *,
+    name: str,
+    capacity: int,
+    namespaces: Mapping[str, Namespace],
+    pools: Sequence[Pool],
+    tenant_pools: Mapping[str, Pool],
+    shared: Pool,
+    evictions: Mapping[str | None, int],
+    corrupted: int,
+) -> BackendStats:
+    keys: Counter[str] = Counter()
+    used: Counter[str] = Counter()
+    for ns in namespaces.values():
+        if ns.tenant is not None:
+            keys[ns.tenant] += len(ns.entries)
+            used[ns.tenant] += ns.used_bytes
+    tenants = set(keys) | set(tenant_pools) | {t for t in evictions if t is not None}
+    return BackendStats(
+        backend=name,
+        capacity_bytes=capacity,
+        used_bytes=sum(pool.used for pool in pools),
+        keys=sum(len(pool.lru) for pool in pools),
+        evictions=sum(evictions.values()),
+        leased_keys=sum(
+            1 for ns in namespaces.values() for address in ns.pinned_addresses() if address in ns.entries
+        ),
+        corrupted_dropped=corrupted,
+        per_namespace={
+            ns_id: (len(ns.entries), ns.used_bytes) for ns_id, ns in namespaces.items() if ns.entries
+        },
+        per_tenant={
+            tenant: TenantUsage(
+                keys=keys[tenant],
+                used_bytes=used[tenant],
+                quota_bytes=pool.capacity if (pool := tenant_pools.get(tenant)) else 0,
+                evictions=evictions.get(tenant, 0),
+            )
+            for tenant in tenants
+        },
+        shared_pool_bytes=shared.capacity,
+        reserved_bytes=sum(pool.reserved for pool in pools),
+        spare_bytes=sum(pool.spare for pool in pools),
+    )
