@@ -29,10 +29,12 @@ RECOVERY_BOUND_S = 20.0
 @pytest.fixture
 def ha_cluster(tmp_path: Path) -> Iterator[HaMooncakeCluster]:
     c = HaMooncakeCluster(tmp_path)
-    c.start_master()
-    c.start_storage(64 << 20)
-    yield c
-    c.stop()
+    try:  # a start that fails half-way stops what it started too
+        c.start_master()
+        c.start_storage(64 << 20)
+        yield c
+    finally:
+        c.stop()
 
 
 def test_killing_the_leading_master_under_reads_serves_no_wrong_bytes_and_recovers(
