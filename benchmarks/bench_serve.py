@@ -60,6 +60,8 @@ class Bench:
         self.records: list[dict[str, Any]] = []
         self.prefill: dict[str, Any] = {}
         self.measure_prefill_first = not args.quick
+        # Each kvtag memory store and the Mooncake segment: room for every block of a scenario.
+        self.store_bytes = (256 if args.quick else 1024) << 20
         # The service and client run from this working tree: what they were when the run began.
         self.commit = git_describe()
         self.dirty = subprocess.run(
@@ -78,11 +80,16 @@ class Bench:
     def stores_for(self, scenario: str, policy: str = "isolate") -> Iterator[None]:
         """A fresh cluster and fresh kvtag stores per scenario, so no scenario hits another's blocks."""
         with ExitStack() as stack:
-            self.cluster = Cluster(self.work, segment_bytes=1 << 30).start()
+            self.cluster = Cluster(self.work, segment_bytes=self.store_bytes).start()
             stack.callback(self.cluster.stop)
             self.store_metrics = {s: f"127.0.0.1:{free_port()}" for s in ("kvtag-mem", "kvtag-mc")}
             mem = memory_store(
-                self.work, f"store-mem-{scenario}", self.store_metrics["kvtag-mem"], "--policy", policy
+                self.work,
+                f"store-mem-{scenario}",
+                self.store_metrics["kvtag-mem"],
+                self.store_bytes,
+                "--policy",
+                policy,
             )
             stack.callback(mem.start().stop)
             mc = mooncake_store(
@@ -234,7 +241,7 @@ class Bench:
     def capacity(self, load: Workload, blocks: int, systems: tuple[str, ...]) -> None:
         """One server per system whose local cache holds `blocks` blocks, a fraction of the working set."""
         scenario = "capacity"
-        tokens = blocks * 32
+        tokens = (blocks - 1) * 32  # vLLM keeps one block back: the longest prompt must fit in the rest
         extra = [
             f"--num-gpu-blocks-override={blocks}",
             f"--max-model-len={tokens}",

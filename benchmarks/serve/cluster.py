@@ -88,7 +88,9 @@ class Cluster:
             "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
             "--default_kv_lease_ttl=10000",
-            "--client_ttl=10",
+            # A storage node is dropped (with every object it holds) after this long without a heartbeat;
+            # on a starved 2-core machine 10 s was missed once and both Mooncake systems lost their blocks.
+            "--client_ttl=60",
         )
         _wait(lambda: self.capacity() == 0 and _healthy(self.metrics), 30, "mooncake_master")
         self._spawn(
@@ -136,13 +138,13 @@ def _healthy(address: str) -> bool:
         return False
 
 
-def memory_store(workdir: Path, name: str, metrics: str, *args: str) -> StoreProcess:
-    """kvtag's default store (`make run`): 1 GiB holds every scenario's blocks (a store touches its whole
-    capacity at start, so more would only take memory from the engines)."""
+def memory_store(workdir: Path, name: str, metrics: str, capacity: int, *args: str) -> StoreProcess:
+    """kvtag's default store (`make run`), sized to the run: a store touches its whole capacity at
+    start, so more would only take memory from the engines."""
     return StoreProcess(
         workdir / f"{name}.log",
         "--capacity",
-        "4GiB",
+        str(capacity),
         f"--metrics-listen={metrics}",
         *args,
         process_group=True,
