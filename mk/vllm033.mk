@@ -20,3 +20,26 @@ test-connector-033: $(STAMPS)/vllm033 $(STAMPS)/service
 	$(VLLM033_VENV)/bin/pytest -q --cov=kvtag_client $(COV) tests/connector tests/client_vllm
 
 EXTRA_TESTS += test-connector-033
+
+# The GPU suite (tests/gpu): vLLM 0.33 with its CUDA requirements, as `pip install vllm` gives it,
+# in .venv-gpu. Part of `make test` only where nvidia-smi lists a device; elsewhere it is one line.
+GPU_VENV := .venv-gpu
+HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+
+$(STAMPS)/gpu: client/pyproject.toml proto/pyproject.toml requirements/constraints.txt
+	@mkdir -p $(STAMPS)
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q vllm==0.33.0
+	$(GPU_VENV)/bin/pip install -q --no-deps -e proto -e client
+	$(GPU_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 xxhash==4.1.0 \
+	  pytest==9.2.0 pytest-timeout==2.4.0
+	touch $@
+
+ifeq ($(HAS_GPU),yes)
+test-gpu: $(STAMPS)/gpu $(STAMPS)/service
+	$(GPU_VENV)/bin/pytest -q -s tests/gpu
+EXTRA_TESTS += test-gpu
+else
+test-gpu:
+	@echo "test-gpu: skipped, no CUDA device here (nvidia-smi lists none)"
+endif

@@ -76,7 +76,7 @@ def gather(views: Sequence[LayerView], block_id: int) -> bytes:
         view.tensor.select(view.block_dim, block_id).contiguous().reshape(-1).view(torch.uint8)
         for view in views
     ]
-    return torch.cat(parts).numpy().tobytes() if parts else b""
+    return torch.cat(parts).cpu().numpy().tobytes() if parts else b""
 
 
 def gather_into(views: Sequence[LayerView], block_id: int, destination: memoryview) -> None:
@@ -135,6 +135,31 @@ def _typed(raw: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Te
         return raw.view(dtype).view(shape)
     except RuntimeError:
         return raw.clone().view(dtype).view(shape)
+
+
+def stage_block(views: Sequence[LayerView], block_id: int) -> torch.Tensor:
+    """The block's bytes across the group's layers as one contiguous uint8 tensor on the KV's device
+    (what gather_into writes to a slot): one stack for the usual attention group, so a device copies
+    the block out with one transfer and no per-layer transfers."""
+    parts = [view.tensor.select(view.block_dim, block_id) for view in views]
+    first = views[0]
+    if all(v.tensor.dtype == first.tensor.dtype and v.block_shape == first.block_shape for v in views):
+        return torch.stack(parts).reshape(-1).view(torch.uint8)
+    return torch.cat([part.contiguous().reshape(-1).view(torch.uint8) for part in parts])
+
+
+def unstage_block(views: Sequence[LayerView], block_id: int, staged: torch.Tensor) -> None:
+    """Write stage_block's bytes (a uint8 tensor on the KV's device) back into the block."""
+    layers = _uniform(views, staged)
+    if layers is not None:
+        for view, layer in zip(views, layers, strict=True):
+            view.tensor.select(view.block_dim, block_id).copy_(layer)
+        return
+    offset = 0
+    for view in views:
+        target = view.tensor.select(view.block_dim, block_id)
+        target.copy_(_typed(staged[offset : offset + view.nbytes], view.tensor.dtype, target.shape))
+        offset += view.nbytes
 
 
 def block_nbytes(views: Sequence[LayerView]) -> int:

@@ -151,9 +151,11 @@ def vllm_lookahead_hasher(hash_fn: Any, hash_block_size: int, lookahead: int) ->
     """
     if lookahead <= 0 or series() < (0, 33):
         return None
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core import kv_cache_utils
 
-    hasher = get_request_block_hasher(hash_block_size, hash_fn, lookahead)
+    # Any: 0.32's signature (checked by typecheck-vllm) has no lookahead argument.
+    make_hasher: Any = kv_cache_utils.get_request_block_hasher
+    hasher = make_hasher(hash_block_size, hash_fn, lookahead)
 
     def new_keys(request: Any, chain: list[bytes]) -> list[bytes]:
         return [bytes(h) for h in hasher(_LookaheadChainRequest(request, chain))]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtag_client.items import PutItem, SizedItem
 
 from .blocks import LayerView, block_nbytes, gather, gather_into, layer_views, scatter, scatter_from
+from .device_copy import CudaCopier, copier_for
 from .metadata import BlockTransfer, KvtagConnectorMetadata, SaveJob
 from .saver import PendingPut, Saver
 from .stats import StatsRecorder
@@ -47,6 +48,8 @@ class WorkerSide:
         # Sleep mode: while unregistered, weak references to the registered tensors (the runner keeps
         # them; cuMem remaps their memory at wake-up) and no view of them.
         self._asleep: dict[str, Any] | None = None
+        # KV caches on a CUDA device: copies on a side stream into pinned arena slots.
+        self.copier: CudaCopier | None = None
         self.saver = Saver(client_getter, stats, max_pending_save_bytes, save_batch_blocks, audit)
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
@@ -59,6 +62,8 @@ class WorkerSide:
         group_layers = [list(group.layer_names) for group in self._kv_cache_config.kv_cache_groups]
         self._views = layer_views(kv_caches, group_layers, int(self._kv_cache_config.num_blocks))
         self._asleep = None
+        if self.copier is None:
+            self.copier = copier_for(self._views)
 
     # ---- sleep mode ----------------------------------------------------------------------------
 
@@ -71,6 +76,8 @@ class WorkerSide:
         saver hold host copies, not KV memory, so they are committed as usual."""
         if self._asleep is not None or not self._views:
             return
+        if self.copier is not None:
+            self.copier.drain()  # no copy still reads or writes the memory sleep frees
         self._asleep = {view.name: weakref.ref(view.tensor) for views in self._views for view in views}
         self._views = []
         self._started = None
@@ -102,6 +109,8 @@ class WorkerSide:
         if self._started is meta:
             return
         self._started = meta
+        if self.copier is not None:
+            self.copier.begin()
         for job in meta.saves:
             if not job.after_forward:
                 self._save(job)
@@ -112,10 +121,14 @@ class WorkerSide:
                     (self._failed_recving if failed else self._finished_recving).add(load.req_id)
                 elif failed:
                     self._load_errors |= failed
+        if self.copier is not None and meta.loads:
+            self.copier.end_loads()
 
     def finish_step(self, meta: KvtagConnectorMetadata) -> None:
         """After the forward: copy the Mamba states this step wrote and handed off."""
         self.start(meta)  # a step whose start_load_kv was skipped still runs its saves
+        if self.copier is not None and any(job.after_forward for job in meta.saves):
+            self.copier.begin()  # after the forward that wrote the handed-off states
         for job in meta.saves:
             if job.after_forward:
                 self._save(job)
@@ -158,9 +171,14 @@ class WorkerSide:
             self._stats.add("dropped_saves", len(sized))
             return
 
+        copier = self.copier
+
         def fill(index: int, slot: memoryview) -> None:
             transfer = transfers[index]
-            gather_into(self._views[transfer.group], transfer.block_id, slot)
+            if copier is not None:
+                copier.save_block(self._views[transfer.group], transfer.block_id, slot)
+            else:
+                gather_into(self._views[transfer.group], transfer.block_id, slot)
 
         client.write_slots(reservation, fill)
         self.saver.enqueue(PendingPut(req_id, [], reservation), nbytes)
@@ -171,11 +189,16 @@ class WorkerSide:
         blocks = [(t.group, t.key) for t in transfers]
         loaded = [False] * len(transfers)
         if client.data_path == "shared_memory":
+            copier = self.copier
 
             def sink(index: int, source: memoryview) -> bool:
                 transfer = transfers[index]
                 views = self._views[transfer.group] if transfer.group < len(self._views) else []
-                return bool(views) and scatter_from(views, transfer.block_id, source)
+                if not views:
+                    return False
+                if copier is not None:
+                    return copier.load_block(views, transfer.block_id, source)
+                return scatter_from(views, transfer.block_id, source)
 
             loaded = client.get_into(blocks, leases, sink)
         else:
@@ -221,6 +244,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self.saver.close()
+        if self.copier is not None:
+            self.copier.close()
 
 
 def _regroup(tensors: Mapping[str, Any]) -> dict[str, list[Any]]:
