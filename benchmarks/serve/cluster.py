@@ -22,6 +22,7 @@ from tests.net import free_port
 from tests.store_process import REPO, StoreProcess
 
 SERVICE_BIN = REPO / ".venv" / "bin"
+LEASE_TTL_MS = 30000
 
 
 def in_private_netns() -> bool:
@@ -87,7 +88,8 @@ class Cluster:
             f"--rpc_port={self.master_port}",
             "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
-            "--default_kv_lease_ttl=10000",
+            # A read lease outlives a load on a starved machine (at 10 s the peer's loads expired mid-read).
+            f"--default_kv_lease_ttl={LEASE_TTL_MS}",
             # A storage node is dropped (with every object it holds) after this long without a heartbeat;
             # on a starved 2-core machine 10 s was missed once and both Mooncake systems lost their blocks.
             "--client_ttl=60",
@@ -160,7 +162,7 @@ def mooncake_store(workdir: Path, name: str, metrics: str, cluster: Cluster, *ar
         f"--mooncake-master={cluster.master}",
         f"--mooncake-metrics={cluster.metrics}",
         "--mooncake-local-buffer=256MiB",
-        "--mooncake-lease-ttl-ms=10000",
+        f"--mooncake-lease-ttl-ms={LEASE_TTL_MS}",
         *args,
         process_group=True,
     )

@@ -62,11 +62,14 @@ def record(
 
 
 def compare(texts: list[str], cold: list[str] | None) -> dict[str, Any]:
-    """Greedy outputs against the cold run's of the same load (same seed, same order)."""
+    """Greedy outputs against the cold run's of the same load (same seed, same order); a request that
+    failed (no text) is counted apart from one that answered differently."""
     if cold is None:
-        return {"compared": 0, "differ": None}
-    differ = [i for i, (a, b) in enumerate(zip(texts, cold, strict=False)) if a != b]
-    return {"compared": min(len(texts), len(cold)), "differ": len(differ), "differing_indexes": differ}
+        return {"compared": 0, "differ": None, "failed": None}
+    pairs = list(zip(texts, cold, strict=False))
+    failed = [i for i, (a, _) in enumerate(pairs) if not a]
+    differ = [i for i, (a, b) in enumerate(pairs) if a and a != b]
+    return {"compared": len(pairs), "differ": len(differ), "differing_indexes": differ, "failed": len(failed)}
 
 
 def with_cold_comparisons(records: list[dict[str, Any]]) -> None:
@@ -122,6 +125,13 @@ def _base(system: str) -> str:
     return system.split("/")[0]
 
 
+def _outputs(cmp: dict[str, Any]) -> str:
+    if cmp.get("differ") is None:
+        return "-"
+    same = cmp["compared"] - cmp["differ"] - cmp["failed"]
+    return f"{same}/{cmp['compared']} same" + (f", {cmp['failed']} failed" if cmp["failed"] else "")
+
+
 def table(document: dict[str, Any]) -> str:
     """Markdown: per scenario, load and rate, each system's ratios to none and to the peer first."""
     rows = [
@@ -135,15 +145,7 @@ def table(document: dict[str, Any]) -> str:
         peer = next((r for s, r in systems.items() if _base(s) == "peer"), None)
         for system, r in systems.items():
             cmp = r.get("outputs_vs_cold", {})
-            outputs = (
-                "cold run"
-                if _base(system) == "none"
-                else (
-                    "-"
-                    if cmp.get("differ") is None
-                    else f"{cmp['compared'] - cmp['differ']}/{cmp['compared']} same"
-                )
-            )
+            outputs = "cold run" if _base(system) == "none" else _outputs(cmp)
             rows.append(
                 f"| {scenario} | {workload} | {rate} | {system} | "
                 f"{_ratio(r, none, 'median_ttft_ms')} | "
