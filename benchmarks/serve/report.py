@@ -170,29 +170,33 @@ def plot(document: dict[str, Any], path: Path) -> None:
 
     grouped = groups(document)
     labels = [f"{s}\n{w.split('-')[0]}\n{r}" for s, w, r in grouped]
-    systems: list[str] = []
-    for members in grouped.values():
-        systems += [s for s in members if s not in systems]
-    fig, axes = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(labels) * 2), 5.5))
-    width = 0.8 / max(1, len(systems))
-    colours = plt.get_cmap("tab10")
+    colours = {"none": "tab:blue", "kvtag-mem": "tab:orange", "kvtag-mc": "tab:green", "peer": "tab:red"}
+    fig, axes = plt.subplots(1, 2, figsize=(16, 6))
     for axis, field, unit in (
         (axes[0], "median_ttft_ms", "TTFT p50 (ms)"),
         (axes[1], "output_throughput", "output throughput (tokens/s)"),
     ):
-        for j, system in enumerate(systems):
-            xs, ys = [], []
-            for i, members in enumerate(grouped.values()):
-                if system in members:
-                    xs.append(i + (j - (len(systems) - 1) / 2) * width)
-                    ys.append(members[system][field])
-            axis.bar(xs, ys, width, label=system, color=colours(j % 10))
+        for i, members in enumerate(grouped.values()):
+            width = 0.8 / len(members)
+            for j, (system, r) in enumerate(members.items()):
+                variant = "/" in system
+                axis.bar(
+                    i + (j - (len(members) - 1) / 2) * width,
+                    r[field],
+                    width,
+                    color=colours.get(_base(system), "grey"),
+                    hatch="//" if variant else None,
+                    edgecolor="white" if variant else None,
+                )
         axis.set_xticks(range(len(labels)), labels, fontsize=7)
         axis.set_ylabel(unit)
         axis.grid(axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="grey", hatch="//", edgecolor="white"))
+    names = [*colours, "variant (spec-eagle: lookahead, legacy; mismatch)"]
+    axes[1].legend(handles, names, fontsize=7)
     axes[0].set_title("time to first token, p50 (lower is better)")
     axes[1].set_title("output throughput (higher is better)")
-    axes[1].legend(fontsize=7)
     fig.suptitle("make bench-serve: vllm bench serve against vllm serve (CPU, random Llama)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
