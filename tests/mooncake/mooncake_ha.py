@@ -7,9 +7,12 @@ Like MooncakeCluster, only inside a private network namespace.
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import socket
 import subprocess
+import urllib.request
 from dataclasses import dataclass, field
 
 from tests.mooncake.mooncake_cluster import BIN, MooncakeCluster, require_private_netns
@@ -68,8 +71,24 @@ class HaMooncakeCluster(MooncakeCluster):
             )
             self.masters.append((proc, metrics_port))
             if n == 0:
-                # It leads once it has found no master view and no oplog in etcd (seconds).
+                # It leads once it has found no master view and no oplog in etcd (seconds). /health
+                # answers before that, so wait for etcd to name it: a second master started earlier
+                # could win the election, and the metrics read here would be a follower's.
                 wait_until(self._healthy, 60, "the first HA mooncake_master /health")
+                wait_until(self._first_leads, 60, "the first HA mooncake_master to lead")
+
+    def _first_leads(self) -> bool:
+        """etcd's master view names the first master's RPC port (etcd's v3 JSON gateway)."""
+        key = base64.b64encode(b"mooncake-store/mooncake_cluster/master_view").decode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.etcd_port}/v3/kv/range", data=json.dumps({"key": key}).encode()
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as reply:
+                kvs = json.load(reply).get("kvs", [])
+        except OSError:
+            return False
+        return any(f":{self.master_port}".encode() in base64.b64decode(kv.get("value", "")) for kv in kvs)
 
     def _etcd_listening(self) -> bool:
         try:
