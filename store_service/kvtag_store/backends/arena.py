@@ -406,20 +406,8 @@ class Arena:
         mapped in this process. Caller holds the fault lock."""
         start = self._faulted
         end = min(self.size, start + EXTENT)
-        if start >= end:
+        if start >= end or not self._reserve_and_touch(start, end):
             return False
-        if self._fd >= 0:
-            try:
-                os.posix_fallocate(self._fd, start, end - start)
-            except OSError as exc:
-                log.warning(
-                    "shared-memory arena %s cannot grow to %d bytes (%s); evicting instead",
-                    self.segment,
-                    end,
-                    exc,
-                )
-                return False
-        populate_write(self._mmap, start, end - start)
         self._faulted = end
         pages.publish_faulted(self._mmap, end)
         return True
