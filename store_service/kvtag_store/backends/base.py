@@ -85,6 +85,25 @@ class TenantUsage:
 
 
 @dataclass(frozen=True, slots=True)
+class TierUsage:
+    """One storage tier of a backend that has several (the memory backend with --disk-dir); equals
+    kvtag.v1.TierStats field for field."""
+
+    tier: str
+    used_bytes: int
+    capacity_bytes: int
+    keys: int
+    hits: int = 0
+    spills: int = 0
+    reads_back: int = 0
+    corrupted_dropped: int = 0
+    evictions: int = 0
+    failures: int = 0
+    degraded: bool = False
+    degraded_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class BackendStats:
     backend: str
     capacity_bytes: int
@@ -105,6 +124,10 @@ class BackendStats:
     reserved_bytes: int = 0
     # Of which spare slots held for sessions' next puts.
     spare_bytes: int = 0
+    # Per storage tier, memory first (memory backend); empty for backends without tiers.
+    tiers: list[TierUsage] = field(default_factory=list)
+    # The up-front prefault: (bytes touched, bytes to touch); (0, 0) when there is none.
+    prefault: tuple[int, int] = (0, 0)
 
 
 class BackendUnavailable(Exception):

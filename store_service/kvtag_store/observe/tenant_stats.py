@@ -3,6 +3,7 @@ does not cover them all."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from kvtag.v1 import store_pb2 as pb
@@ -60,6 +61,9 @@ def stats_response(stats: BackendStats, tenants: dict[str, str], caller: Princip
             spare_bytes=stats.spare_bytes,
             namespaces=namespace_rows,
             tenants=tenant_rows,
+            tiers=[pb.TierStats(**dataclasses.asdict(tier)) for tier in stats.tiers],
+            prefault_done_bytes=stats.prefault[0],
+            prefault_total_bytes=stats.prefault[1],
         )
     quotas = sum(row.quota_bytes for row in tenant_rows)
     shares_pool = not tenant_rows or any(row.quota_bytes == 0 for row in tenant_rows)

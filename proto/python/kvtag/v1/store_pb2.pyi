@@ -683,7 +683,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., keys: _Optional[int] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants", "reserved_bytes", "spare_bytes")
+    __slots__ = ("backend", "capacity_bytes", "used_bytes", "keys", "evictions", "leased_keys", "corrupted_dropped", "namespaces", "tenants", "reserved_bytes", "spare_bytes", "tiers", "prefault_done_bytes", "prefault_total_bytes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -695,6 +695,9 @@ class GetStatsResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PREFAULT_DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFAULT_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     capacity_bytes: int
     used_bytes: int
@@ -706,4 +709,35 @@ class GetStatsResponse(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     reserved_bytes: int
     spare_bytes: int
-    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    prefault_done_bytes: int
+    prefault_total_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., evictions: _Optional[int] = ..., leased_keys: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., reserved_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., prefault_done_bytes: _Optional[int] = ..., prefault_total_bytes: _Optional[int] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "used_bytes", "capacity_bytes", "keys", "hits", "spills", "reads_back", "corrupted_dropped", "evictions", "failures", "degraded", "degraded_reason")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_FIELD_NUMBER: _ClassVar[int]
+    READS_BACK_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    used_bytes: int
+    capacity_bytes: int
+    keys: int
+    hits: int
+    spills: int
+    reads_back: int
+    corrupted_dropped: int
+    evictions: int
+    failures: int
+    degraded: bool
+    degraded_reason: str
+    def __init__(self, tier: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., keys: _Optional[int] = ..., hits: _Optional[int] = ..., spills: _Optional[int] = ..., reads_back: _Optional[int] = ..., corrupted_dropped: _Optional[int] = ..., evictions: _Optional[int] = ..., failures: _Optional[int] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...

@@ -411,8 +411,10 @@ class MemoryBackend:
     # -- reporting ----------------------------------------------------------
 
     def stats(self) -> BackendStats:
+        prefault = self.prefault_progress()
         with self._lock:
             return usage_report(
+                prefault=prefault,
                 name=self.name,
                 capacity=self._capacity,
                 namespaces=self._namespaces,

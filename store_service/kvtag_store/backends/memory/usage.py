@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from kvtag_store.backends.base import BackendStats, TenantUsage
+from kvtag_store.backends.base import BackendStats, TenantUsage, TierUsage
 from kvtag_store.backends.memory.entries import Namespace
 from kvtag_store.backends.memory.pools import Pool
 
@@ -24,6 +24,7 @@ def usage_report(
     shared: Pool,
     evictions: Mapping[str | None, int],
     corrupted: int,
+    prefault: tuple[int, int] = (0, 0),
 ) -> BackendStats:
     keys: Counter[str] = Counter()
     used: Counter[str] = Counter()
@@ -32,11 +33,21 @@ def usage_report(
             keys[ns.tenant] += len(ns.entries)
             used[ns.tenant] += ns.used_bytes
     tenants = set(keys) | set(tenant_pools) | {t for t in evictions if t is not None}
+    used_bytes = sum(pool.used for pool in pools)
+    key_count = sum(len(pool.lru) for pool in pools)
+    memory = TierUsage(
+        tier="memory",
+        used_bytes=used_bytes,
+        capacity_bytes=capacity,
+        keys=key_count,
+        corrupted_dropped=corrupted,
+        evictions=sum(evictions.values()),
+    )
     return BackendStats(
         backend=name,
         capacity_bytes=capacity,
-        used_bytes=sum(pool.used for pool in pools),
-        keys=sum(len(pool.lru) for pool in pools),
+        used_bytes=used_bytes,
+        keys=key_count,
         evictions=sum(evictions.values()),
         leased_keys=sum(
             1 for ns in namespaces.values() for address in ns.pinned_addresses() if address in ns.entries
@@ -57,4 +68,6 @@ def usage_report(
         shared_pool_bytes=shared.capacity,
         reserved_bytes=sum(pool.reserved for pool in pools),
         spare_bytes=sum(pool.spare for pool in pools),
+        tiers=[memory],
+        prefault=prefault,
     )
