@@ -274,7 +274,7 @@ def query(args: argparse.Namespace, security: ChannelSecurity) -> int:
             )
         )
     elif isinstance(answer, pb.DiagnoseResponse):
-        print(report.diagnose_table(answer))
+        print(_with_degraded(report.diagnose_table(answer), args, security))
     else:
         print(report.stats_table(answer))
     return 0
@@ -292,7 +292,7 @@ def watch_diagnose(args: argparse.Namespace, security: ChannelSecurity) -> int:
                 answer = diagnose_pages(stub, args, first_only=True)
             except grpc.RpcError as exc:
                 return f"cannot reach the store at {args.target}: {_describe(exc)}"
-            shown = report.diagnose_table(answer)
+            shown = _with_degraded(report.diagnose_table(answer), args, security, stub)
             if answer.next_page_token:
                 shown += (
                     f"\n\n{len(answer.namespaces)} of {answer.total_namespaces} namespaces shown (the first "
@@ -303,6 +303,28 @@ def watch_diagnose(args: argparse.Namespace, security: ChannelSecurity) -> int:
         return terminal.run(
             fetch, sys.stdout, title=f"kvtag-store diagnose {args.target}", interval_s=args.interval
         )
+
+
+def _with_degraded(
+    table: str,
+    args: argparse.Namespace,
+    security: ChannelSecurity,
+    stub: store_pb2_grpc.KvStoreStub | None = None,
+) -> str:
+    """The Diagnose table under a line per degraded tier (a disk tier out of use explains lost hits).
+    GetStats answers tiers to admins only; for other callers, or an older store, the table alone."""
+    try:
+        if stub is None:
+            with open_channel(args.target, security) as channel:
+                stats = store_pb2_grpc.KvStoreStub(channel).GetStats(  # type: ignore[no-untyped-call]
+                    pb.GetStatsRequest(), timeout=args.timeout
+                )
+        else:
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=args.timeout)
+    except grpc.RpcError:
+        return table
+    lines = report.degraded_lines(stats)
+    return "\n".join([*lines, "", table]) if lines else table
 
 
 def diagnose_pages(

@@ -136,6 +136,46 @@ class _StoreCollector(Collector):
             per_ns.add_metric([ns_id], used)
         yield per_ns
         yield from _tenant_families(stats)
+        yield from _tier_families(stats)
+
+
+# Per-tier counters of the memory backend's tiers (TierUsage field -> help text).
+_TIER_COUNTERS = (
+    ("hits", "Blocks served from the tier"),
+    ("spills", "Blocks written to the tier (disk: evicted from memory)"),
+    ("reads_back", "Blocks read back from the tier into a reply or a slot"),
+    ("corrupted_dropped", "Records dropped from the tier: checksum mismatch or torn by a crash"),
+    ("evictions", "Blocks evicted from the tier for room (its own LRU)"),
+    ("failures", "I/O failures of the tier (ENOSPC, EIO, read-only)"),
+)
+
+
+def _tier_families(stats: BackendStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """kvtag_tier_* per storage tier (label tier=memory|disk); nothing for backends without tiers.
+    The degraded reason is not a label (it names paths and errno text): read it on the status page."""
+    if not stats.tiers:
+        return
+    used = GaugeMetricFamily("kvtag_tier_used_bytes", "Value bytes held per tier", labels=["tier"])
+    capacity = GaugeMetricFamily("kvtag_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
+    keys = GaugeMetricFamily("kvtag_tier_keys", "Blocks held per tier", labels=["tier"])
+    degraded = GaugeMetricFamily(
+        "kvtag_tier_degraded",
+        "1 while the tier is out of use after a failure (the store serves from memory only), else 0",
+        labels=["tier"],
+    )
+    counters = {
+        name: CounterMetricFamily(f"kvtag_tier_{name}", text, labels=["tier"])
+        for name, text in _TIER_COUNTERS
+    }
+    for tier in stats.tiers:
+        used.add_metric([tier.tier], tier.used_bytes)
+        capacity.add_metric([tier.tier], tier.capacity_bytes)
+        keys.add_metric([tier.tier], tier.keys)
+        degraded.add_metric([tier.tier], 1 if tier.degraded else 0)
+        for name, family in counters.items():
+            family.add_metric([tier.tier], getattr(tier, name))
+    yield from (used, capacity, keys, degraded)
+    yield from counters.values()
 
 
 def _tenant_families(stats: BackendStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -152,6 +152,19 @@ def stats_table(answer: pb.GetStatsResponse) -> str:
                 indent="",
             )
         )
+    if answer.tiers:
+        out.append("")
+        out.append(tiers_table(answer))
+    if answer.prefault_total_bytes:
+        done, total = answer.prefault_done_bytes, answer.prefault_total_bytes
+        out.append("")
+        out.append(
+            f"prefault: {human_bytes(done)} of {human_bytes(total)} touched ({100.0 * done / total:.1f}%)"
+        )
+    degraded = degraded_lines(answer)
+    if degraded:
+        out.append("")
+        out.extend(degraded)
     if answer.tenants:
         out.append("")
         out.append(
@@ -171,3 +184,48 @@ def stats_table(answer: pb.GetStatsResponse) -> str:
             )
         )
     return "\n".join(out)
+
+
+def tiers_table(answer: pb.GetStatsResponse) -> str:
+    return table(
+        [
+            "tier",
+            "capacity",
+            "used",
+            "keys",
+            "hits",
+            "spills",
+            "reads back",
+            "corrupted",
+            "evictions",
+            "failures",
+            "state",
+        ],
+        [
+            [
+                t.tier,
+                human_bytes(t.capacity_bytes),
+                human_bytes(t.used_bytes),
+                str(t.keys),
+                str(t.hits),
+                str(t.spills),
+                str(t.reads_back),
+                str(t.corrupted_dropped),
+                str(t.evictions),
+                str(t.failures),
+                "DEGRADED" if t.degraded else "ok",
+            ]
+            for t in answer.tiers
+        ],
+        indent="",
+    )
+
+
+def degraded_lines(answer: pb.GetStatsResponse) -> list[str]:
+    """One line per tier out of use, worded as on the status page."""
+    return [
+        f"{t.tier} tier degraded: {t.degraded_reason or 'no reason given'} "
+        "(the store serves from memory only)"
+        for t in answer.tiers
+        if t.degraded
+    ]

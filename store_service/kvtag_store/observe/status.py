@@ -9,6 +9,7 @@ caller that sees everything.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -116,7 +117,13 @@ class StatusSource:
 
 def _store(stats: BackendStats | None, view: View) -> dict[str, Any]:
     if stats is None:
-        return {"backend_up": False, "backend": None, "capacity_bytes": None, "store_wide": None}
+        return {
+            "backend_up": False,
+            "backend": None,
+            "capacity_bytes": None,
+            "degraded": [],
+            "store_wide": None,
+        }
     store_wide = None
     if view.store_wide:
         store_wide = {
@@ -126,11 +133,17 @@ def _store(stats: BackendStats | None, view: View) -> dict[str, Any]:
             "evictions": stats.evictions,
             "corrupted_dropped": stats.corrupted_dropped,
             "backend_errors": dict(sorted(stats.errors.items())),
+            "tiers": [dataclasses.asdict(tier) for tier in stats.tiers],
+            "prefault": {"done_bytes": stats.prefault[0], "total_bytes": stats.prefault[1]},
         }
     return {
         "backend_up": True,
         "backend": stats.backend,
         "capacity_bytes": stats.capacity_bytes,
+        # Every viewer sees that a tier is out of use: it explains everyone's lost hits.
+        "degraded": [
+            {"tier": tier.tier, "reason": tier.degraded_reason} for tier in stats.tiers if tier.degraded
+        ],
         "store_wide": store_wide,
     }
 

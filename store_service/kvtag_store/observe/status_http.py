@@ -119,6 +119,16 @@ def status_app(source: StatusSource, registry: CollectorRegistry, gate: Gate = o
             request = _page_request(query)
             doc, next_token, total = source.paged(view, request)
         except (ApiError, ValueError) as exc:
+            if path == "/" and _has_page_token(query):
+                # The page's meta refresh reloads its own URL; once its page token has expired that
+                # would answer 400 forever. A person reading the page wants the listing again.
+                return _reply(
+                    start_response,
+                    303,
+                    "text/plain",
+                    b"page expired: first page\n",
+                    [("Location", _first_href(query))],
+                )
             return _reply(start_response, 400, "text/plain", (str(exc) + "\n").encode())
         paging = [("X-Kvtag-Total-Namespaces", str(total))]
         if next_token:
@@ -144,6 +154,16 @@ def _page_request(query: dict[str, list[str]]) -> pb.DiagnoseRequest:
     )
 
 
+def _has_page_token(query: dict[str, list[str]]) -> bool:
+    return any(query.get("page_token", []))
+
+
+def _first_href(query: dict[str, list[str]]) -> str:
+    """The page's own query without its page token: the listing from the first page."""
+    kept = [(k, v) for k, values in query.items() if k != "page_token" for v in values]
+    return "?" + urlencode(kept) if kept else "/"
+
+
 def _next_href(query: dict[str, list[str]], token: str) -> str:
     """The page's own query with the next token in place of its own."""
     kept = [(k, v) for k, values in query.items() if k != "page_token" for v in values]
@@ -166,6 +186,7 @@ def _reply(
 ) -> list[bytes]:
     reason = {
         200: "OK",
+        303: "See Other",
         400: "Bad Request",
         401: "Unauthorized",
         403: "Forbidden",

@@ -96,8 +96,44 @@ def _store(store: dict[str, Any]) -> str:
                 ", ".join(f"{escape(k)} {v}" for k, v in wide["backend_errors"].items()) or "none",
             ),
         ]
+        done, total = wide["prefault"]["done_bytes"], wide["prefault"]["total_bytes"]
+        if total:
+            share = done / total
+            rows.append(("prefault", f"{_bytes(done)} of {_bytes(total)} ({share:.1%}) {_bar(share)}"))
     cells = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
-    return f'<h2>Store</h2><table id="store">{cells}</table>'
+    degraded = "".join(
+        f'<p class="warn degraded" id="degraded-{escape(d["tier"])}">{escape(d["tier"])} tier degraded: '
+        f"{escape(d['reason']) or 'no reason given'} (the store serves from memory only)</p>"
+        for d in store["degraded"]
+    )
+    tiers = _tiers(wide["tiers"]) if wide is not None else ""
+    return f'<h2>Store</h2>{degraded}<table id="store">{cells}</table>{tiers}'
+
+
+_TIER_FIGURES = ("hits", "spills", "reads_back", "corrupted_dropped", "evictions", "failures")
+
+
+def _tiers(tiers: list[dict[str, Any]]) -> str:
+    """Per storage tier (memory, disk): how full, what moved between them, what went wrong."""
+    if not tiers:
+        return ""
+    rows = []
+    for t in tiers:
+        capacity = t["capacity_bytes"]
+        share = t["used_bytes"] / capacity if capacity else 0.0
+        state = '<span class="warn">degraded</span>' if t["degraded"] else "ok"
+        rows.append(
+            f"<tr><td>{escape(t['tier'])}</td><td>{_bytes(capacity)}</td>"
+            f"<td>{human_bytes(t['used_bytes'])} ({share:.1%}) {_bar(share)}</td>"
+            f'<td class="num">{t["keys"]}</td>'
+            + "".join(f'<td class="num">{t[name]}</td>' for name in _TIER_FIGURES)
+            + f"<td>{state}</td></tr>"
+        )
+    head = (
+        "<tr><th>tier</th><th>capacity</th><th>used</th><th>blocks</th><th>hits</th><th>spills</th>"
+        "<th>reads back</th><th>corrupted dropped</th><th>evictions</th><th>failures</th><th>state</th></tr>"
+    )
+    return f'<h3>Tiers</h3><table id="tiers">{head}{"".join(rows)}</table>'
 
 
 def _tenants(tenants: list[dict[str, Any]]) -> str:
