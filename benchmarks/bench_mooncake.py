@@ -25,7 +25,11 @@ record the load average before and after each repeat: other work on the machine 
 Mooncake process must live in a private network namespace; when run outside one, the script re-runs itself
 under `unshare -n` (root) with loopback up.
 
-    .venv/bin/python benchmarks/bench_mooncake.py [--quick] [--out benchmarks/results/mooncake.json]
+- topology: 1, 2 and 3 replicas over one cluster, each with its own StoreClient load, against as many
+            raw Mooncake clients, and a replica's first Lookup of another's blocks (mooncake_topology.py).
+
+    .venv/bin/python benchmarks/bench_mooncake.py [--quick] [--no-topology | --topology-only]
+        [--out benchmarks/results/mooncake.json]
 """
 
 from __future__ import annotations
@@ -430,12 +434,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer sizes, less volume, two repeats")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    parser.add_argument("--no-topology", action="store_true", help="skip the fleet topology part")
+    parser.add_argument(
+        "--topology-only",
+        action="store_true",
+        help="only the fleet topology part (mooncake_topology.py), merged into an existing --out file",
+    )
     args = parser.parse_args()
     reexec_in_private_netns()
     os.environ.setdefault("GLOG_minloglevel", "2")
-    results = run(args)
-    print(table(results))
-    print(f"load average per repeat: {results['machine']['loadavg_per_repeat']}")
+    from mooncake_topology import run_topology
+    from mooncake_topology import table as topology_table
+
+    if args.topology_only:
+        results = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
+    else:
+        results = run(args)
+        print(table(results))
+        print(f"load average per repeat: {results['machine']['loadavg_per_repeat']}")
+    if not args.no_topology:
+        results["topology"] = run_topology(Path(tempfile.mkdtemp(prefix="bench-topology-")), quick=args.quick)
+        results["topology"]["kvtag_commit"] = git_describe()
+        print(topology_table(results["topology"]))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
