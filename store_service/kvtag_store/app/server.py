@@ -89,8 +89,16 @@ class RunningServer:
 
     def stop(self, grace: float = 5.0) -> bool:
         """Stop accepting calls, let running ones finish within `grace`, then release everything.
-        Returns within about grace + STOP_SLACK_S whatever is in flight: False when gRPC had not
-        finished by then (the caller of a process should then exit without waiting for its threads)."""
+        Returns within about grace + STOP_SLACK_S whatever is in flight, plus the backend's close
+        (the disk tier's flush of memory): False when gRPC had not finished by then (the caller of a
+        process should then exit without waiting for its threads)."""
+        finished = self.stop_serving(grace)
+        self.service.backend.close()
+        return finished
+
+    def stop_serving(self, grace: float = 5.0) -> bool:
+        """stop() without closing the backend: the process closes it apart, outside the hard exit's
+        deadline, since a disk tier's close writes memory's blocks to disk and may take longer."""
         self.health.enter_graceful_shutdown()
         finished: bool = self.server.stop(grace).wait(grace + STOP_SLACK_S)
         if not finished:
@@ -105,7 +113,6 @@ class RunningServer:
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
-        self.service.backend.close()
         return finished
 
 
