@@ -16,11 +16,20 @@ The generation word changes every time a slot is handed out, so a reader that co
 which was evicted and reused in the meantime sees a different word afterwards and drops its copy.
 Pages are reserved (posix_fallocate) and touched by the service in extents ahead of use, never by a
 client's put; a tmpfs that is full answers ENOSPC here instead of SIGBUS in a client.
+
+Pages are given back too, or an arena would keep its high-water mark for good (mixed sizes push the
+bump pointer to the arena's end while eviction moves blocks between arenas): freeing the top slot
+lowers the bump pointer over every free slot below it, and pages more than the prefault window above
+it are released; free slots' whole pages are released (MADV_REMOVE: a hole punched in the file, or in
+anonymous shared memory) once they have stayed free a while, and reserved and touched again by the
+service before the slot is handed out. Nothing below the up-front (eager) prefault is given back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import hashlib
 import logging
@@ -33,7 +42,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvtag_proto import pages
 
@@ -58,11 +67,38 @@ PREFAULT_WINDOW = 64 << 20
 # zeroing is per-core work, so one thread leaves the other cores idle.
 PREFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
 PREFAULT_CHUNK = 32 << 20
+# Free slots' pages are released in batches of at least this many bytes, and only those free for this
+# long: an eviction frees slots that the same put takes again at once, and giving those pages back
+# would cost that put a first touch of each (docs/benchmarks.md).
+GIVE_BACK_BATCH = 2 << 20
+GIVE_BACK_AGE_S = 1.0
+PAGE = mmap.PAGESIZE
+# Bytes at a slot's start zeroed before its pages go: the header's generation word and the value's
+# first bytes (a Mooncake staging slot keeps its own generation word there), so a reader still copying
+# from the freed slot sees its generation change instead of accepting the zeros that the hole reads as.
+FORGET_HEAD = 320
+_ZEROS = bytes(max(PAGE, FORGET_HEAD))
 _GENERATION = struct.Struct("<Q")
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _round_down(n: int, to: int) -> int:
+    return n // to * to
+
+
+def remove_pages(base: int, start: int, length: int) -> bool:
+    """Release [start, start+length) of the shared mapping at `base` and its backing store (a punched
+    hole in a tmpfs file; freed shmem for anonymous shared memory), with the GIL released. Page-aligned.
+    False when the kernel refuses (the pages then stay, which is only memory kept)."""
+    return int(_madvise(base + start, length, MADV_REMOVE)) == 0
 
 
 def populate_write(memory: mmap.mmap, start: int, length: int) -> None:
@@ -137,13 +173,21 @@ class Arena:
     `view` reads and writes of slots it owns)."""
 
     def __init__(
-        self, tenant: str, size: int, directory: str | None, group: int | None = None, eager: int = 0
+        self,
+        tenant: str,
+        size: int,
+        directory: str | None,
+        group: int | None = None,
+        eager: int = 0,
+        give_back: bool = True,
     ) -> None:
         """A file in `directory` (e.g. /dev/shm, mode 0600) that clients may map, or anonymous
         memory when `directory` is None (the inline path only). With `group` the file is that group's
         and mode 0660: the tenant's engines, in that group under their own users, may map it.
         `eager`: bytes the background prefaulter touches from the start, whatever has been used, so a
-        filling store's puts find their pages ready (a first touch is costly: docs/benchmarks.md)."""
+        filling store's puts find their pages ready (a first touch is costly: docs/benchmarks.md).
+        `give_back`: release free slots' pages (module docstring); False for memory a transport has
+        pinned (an RDMA registration would keep the old pages while the file gets new ones)."""
         self.tenant = tenant
         self.size = size
         self.nonce = secrets.token_bytes(NONCE_LENGTH)
@@ -190,9 +234,22 @@ class Arena:
         # arena no namespace uses only once it is idle since before the census's sweep.
         self.last_used = time.monotonic()
         self._top = ARENA_HEADER
-        self._free: dict[int, list[int]] = {}  # span -> slot starts
+        # span -> free slot starts (a dict as an ordered set: the latest freed is taken first, and a
+        # slot under the falling bump pointer is removed in O(1)).
+        self._free: dict[int, dict[int, None]] = {}
+        self._free_ends: dict[int, int] = {}  # free slot end -> its start: the bump pointer's way down
         self._free_bytes = 0
         self.slots_in_use = 0
+        # Free slots whose pages are still held: start -> (span, when freed), oldest first; and free
+        # slots whose pages were given back (reserved and touched again when handed out).
+        self._give_back = give_back
+        self._floor = self._eager  # pages below it are never given back
+        self._idle: dict[int, tuple[int, float]] = {}
+        self._idle_bytes = 0
+        self._given_back: set[int] = set()
+        self.give_back_age_s = GIVE_BACK_AGE_S
+        self.given_back_bytes = 0  # released over the arena's life (a figure for tests and soaks)
+        self._base = pages.base_address(self._mmap)
         if not self._fault(ARENA_HEADER):
             self.close()
             raise OSError(f"cannot reserve the first pages of the arena in {directory}")
@@ -251,10 +308,116 @@ class Arena:
         return slots
 
     def free(self, slot: Slot) -> None:
-        """Return a slot. Its bytes and generation stay until it is handed out again."""
-        self._free.setdefault(slot.span, []).append(slot.start)
-        self._free_bytes += slot.span
+        """Return a slot. Its bytes and generation stay until it is handed out again or its pages are
+        given back (a reader then sees generation 0 and drops its copy)."""
         self.slots_in_use -= 1
+        start, span = slot.start, slot.span
+        if start + span == self._top:
+            if self._give_back:
+                self._forget(start, start + span)
+            self._lower_top(start)
+            return
+        self._free.setdefault(span, {})[start] = None
+        self._free_ends[start + span] = start
+        self._free_bytes += span
+        if self._give_back and span >= PAGE and start + span > self._floor:
+            now = time.monotonic()
+            self._idle[start] = (span, now)
+            self._idle_bytes += span
+            if self._idle_bytes >= GIVE_BACK_BATCH:
+                self._release_idle(now - self.give_back_age_s)
+
+    def _unfree(self, start: int, span: int) -> bool:
+        """Take a free slot out of the free tables; True when its pages were given back."""
+        starts = self._free[span]
+        del starts[start]
+        if not starts:
+            del self._free[span]
+        del self._free_ends[start + span]
+        self._free_bytes -= span
+        if self._idle.pop(start, None) is not None:
+            self._idle_bytes -= span
+            return False
+        if start in self._given_back:
+            self._given_back.discard(start)
+            return True
+        return False
+
+    def _lower_top(self, top: int) -> None:
+        """The slot ending at the bump pointer is free: move the pointer down to `top`, then over every
+        free slot right below it, and give back the pages beyond the prefault window above it."""
+        lowest_hole = self._faulted
+        while (below := self._free_ends.get(top)) is not None:
+            if self._unfree(below, top - below):
+                lowest_hole = below
+            elif self._give_back:
+                self._forget(below, top)
+            top = below
+        self._top = top
+        if not self._give_back:
+            return
+        keep = max(self._floor, _round_up(top + self._window, EXTENT))
+        # Hysteresis: a store whose top moves up and down by a few slots does not touch pages again.
+        if lowest_hole >= self._faulted and self._faulted < keep + 2 * EXTENT:
+            return
+        with self._fault_lock:
+            if self._closed:
+                return
+            # A given-back slot now above the pointer is a hole in the touched prefix: the prefix
+            # ends below it, and the window is touched again from there.
+            end = min(self._faulted, max(self._floor, _round_down(lowest_hole, PAGE)))
+            if self._faulted > keep and remove_pages(self._base, keep, self._faulted - keep):
+                self.given_back_bytes += self._faulted - keep
+                end = min(end, keep)
+            if end < self._faulted:
+                self._faulted = end
+                pages.publish_faulted(self._mmap, end)
+        if self._faulted < top + self._window // 2:
+            PREFAULTER.kick()
+
+    def _release_idle(self, freed_before: float) -> None:
+        """Give back the pages of free slots freed before `freed_before`, adjacent ones merged so the
+        pages they share go too. Runs under the backend's lock, in batches (GIVE_BACK_BATCH)."""
+        old: list[tuple[int, int]] = []
+        for start, (span, when) in self._idle.items():
+            if when > freed_before:
+                break
+            old.append((start, start + span))
+        if not old:
+            return
+        for start, end in old:
+            del self._idle[start]
+            self._idle_bytes -= end - start
+            self._given_back.add(start)
+            self._forget(start, end)
+        old.sort()
+        merged: list[list[int]] = []
+        for start, end in old:
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        for start, end in merged:
+            low, high = _round_up(max(start, self._floor), PAGE), _round_down(end, PAGE)
+            if high > low and remove_pages(self._base, low, high - low):
+                self.given_back_bytes += high - low
+
+    def _forget(self, start: int, end: int) -> None:
+        """Zero the slot's head (FORGET_HEAD, or its whole first page) before its pages are given back."""
+        stop = min(end, max(start + FORGET_HEAD, _round_up(start + 1, PAGE)))
+        self.view[start:stop] = _ZEROS[: stop - start]
+
+    def _take_back(self, start: int, span: int) -> bool:
+        """Reserve and touch again the pages of a slot whose pages were given back; False (the slot
+        then stays free, its pages given back) when the file system is full."""
+        low, high = _round_down(start, PAGE), _round_up(start + span, PAGE)
+        if self._reserve_and_touch(low, high):
+            return True
+        self._free.setdefault(span, {})[start] = None
+        self._free_ends[start + span] = start
+        self._free_bytes += span
+        self._given_back.add(start)
+        return False
 
     def generation(self, offset: int) -> int:
         value: int = _GENERATION.unpack_from(self._mmap, offset - 8)[0]
@@ -263,8 +426,9 @@ class Arena:
     def _take(self, span: int) -> int | None:
         starts = self._free.get(span)
         if starts:
-            self._free_bytes -= span
-            return starts.pop()
+            start = next(reversed(starts))
+            if not self._unfree(start, span) or self._take_back(start, span):
+                return start
         if self._top + span <= self.size and self._fault(self._top + span):
             start = self._top
             self._top += span
@@ -275,33 +439,57 @@ class Arena:
 
     def _take_coalesced(self, span: int) -> int | None:
         """Slow path for mixed sizes: merge adjacent free slots, lower the bump pointer over free space
-        at the top, and cut `span` out of the first free range large enough."""
-        ranges: list[list[int]] = []
+        at the top, and cut `span` out of the first free range large enough. A merged range counts as
+        given back if any of its slots was (taking it reserves and touches its pages again), else as
+        idle since its latest slot was freed."""
+        ranges: list[tuple[int, int, bool, float]] = []
+        now = time.monotonic()
         for size, starts in self._free.items():
-            ranges.extend([start, start + size] for start in starts)
+            for start in starts:
+                idle = self._idle.get(start)
+                ranges.append((start, start + size, start in self._given_back, idle[1] if idle else now))
         ranges.sort()
-        merged: list[list[int]] = []
-        for start, end in ranges:
+        merged: list[list[Any]] = []
+        for start, end, given_back, when in ranges:
             if merged and merged[-1][1] == start:
-                merged[-1][1] = end
+                last = merged[-1]
+                last[1], last[2], last[3] = end, last[2] or given_back, max(last[3], when)
             else:
-                merged.append([start, end])
+                merged.append([start, end, given_back, when])
+        self._free, self._free_ends, self._free_bytes = {}, {}, 0
+        self._idle, self._idle_bytes, self._given_back = {}, 0, set()
         if merged and merged[-1][1] == self._top:
-            self._top = merged.pop()[0]
-        self._free = {}
-        self._free_bytes = 0
+            self._restore(*merged.pop())  # _lower_top moves the pointer over it, given back or not
+            self._lower_top(self._top)
         found: int | None = None
-        for start, end in merged:
+        found_given_back = False
+        for start, end, given_back, when in merged:
             if found is None and end - start >= span:
-                found = start
+                found, found_given_back = start, given_back
                 start += span
             if end > start:
-                self._free.setdefault(end - start, []).append(start)
-                self._free_bytes += end - start
+                self._restore(start, end, given_back, when)
+        if found is not None and found_given_back:
+            low, high = _round_down(found, PAGE), _round_up(found + span, PAGE)
+            if not self._reserve_and_touch(low, high):
+                self._restore(found, found + span, True, now)
+                return None
         if found is None and self._top + span <= self.size and self._fault(self._top + span):
             found = self._top
             self._top += span
         return found
+
+    def _restore(self, start: int, end: int, given_back: bool, when: float) -> None:
+        """Put a free range back in the free tables (coalescing rebuilds them)."""
+        span = end - start
+        self._free.setdefault(span, {})[start] = None
+        self._free_ends[end] = start
+        self._free_bytes += span
+        if given_back:
+            self._given_back.add(start)
+        elif self._give_back and span >= PAGE and end > self._floor:
+            self._idle[start] = (span, when)
+            self._idle_bytes += span
 
     def _fault(self, end: int) -> bool:
         """Reserve and touch pages up to `end` (in whole extents); False when the file system is full.
