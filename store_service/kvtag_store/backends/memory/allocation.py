@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Callable
 
 from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import BlockAddress, PutOutcome, PutResult
-from kvtag_store.backends.memory.entries import ALREADY_PRESENT, Namespace, conflict
+from kvtag_store.backends.memory.entries import ALREADY_PRESENT, Entry, Namespace, conflict
 from kvtag_store.backends.memory.pools import Pool, StoreKey
 
 
@@ -26,6 +27,8 @@ class Allocator:
         # Every slot handed out gets the next generation: a reader tells a reused slot by it.
         self.generations = itertools.count(1)
         self.evictions: Counter[str | None] = Counter()  # by tenant (None: not yet known)
+        # The disk tier's hook for an evicted entry not yet on disk (it queues a copy), when the tier is on.
+        self.spill: Callable[[Namespace, BlockAddress, Entry], None] | None = None
 
     def claim(self, ns: Namespace, mode_id: str, address: BlockAddress, size: int) -> Slot | PutResult:
         """The known outcome of storing `size` bytes at `address`, or a slot for them (counted in
@@ -39,6 +42,12 @@ class Allocator:
                 return conflict(existing)
             pool.lru.move_to_end((ns.namespace_id, address))
             return ALREADY_PRESENT
+        if ns.disk:
+            held = ns.on_disk(mode_id, address)
+            if held is not None:
+                if held != mode_id:
+                    return PutResult(PutOutcome.CONFLICT, f"key is held by mode {held}")
+                return ALREADY_PRESENT
         return self.allocate(ns, size)
 
     def allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
@@ -97,10 +106,15 @@ class Allocator:
         if freed < need:
             return False
         for ns_id, address in victims:
-            ns = namespaces[ns_id]
-            ns.remove(address, ns.entries[address])
-            self.evictions[ns.tenant] += 1
+            self._evict(namespaces[ns_id], address)
         return True
+
+    def _evict(self, ns: Namespace, address: BlockAddress) -> None:
+        entry = ns.entries[address]
+        if entry.disk is None and self.spill is not None:
+            self.spill(ns, address, entry)
+        ns.remove(address, entry)
+        self.evictions[ns.tenant] += 1
 
     def _evict_for_slot(self, arena: Arena, size: int) -> Slot | None:
         """The arena has bytes to spare but no slot that fits (mixed sizes, or a full file system):
@@ -113,9 +127,7 @@ class Allocator:
             if namespaces[ns_id].arena is arena and not namespaces[ns_id].pinned(address)
         ]
         for ns_id, address in candidates:
-            ns = namespaces[ns_id]
-            ns.remove(address, ns.entries[address])
-            self.evictions[ns.tenant] += 1
+            self._evict(namespaces[ns_id], address)
             slot = arena.allocate(size, next(self.generations))
             if slot is not None:
                 return slot

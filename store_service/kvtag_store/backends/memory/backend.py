@@ -20,6 +20,11 @@ Tenant quotas split the capacity into pools (pools.py), each evicted LRU on its 
 (allocation.py). This facade owns the lock and the tables; the modules beside it do
 the work under it: entries.py (a namespace's blocks, pins and key index),
 reservations.py (the two-phase put) and reads.py (verified Gets).
+
+With a disk dir (disk_dir), every stored value is also written to the disk tier in the background
+(kvtag_store.backends.disk.tier has the policy and what a crash loses): Lookups answer memory misses
+from its index, a Get reads a disk-only value back into a slot first, and a restart on the same dir
+rebuilds the namespaces from its records.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kvtag_store.backends.base import (
     ReadResult,
     SlotReference,
 )
+from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
 from kvtag_store.backends.memory.entries import KEY_INDEX_LAG, MISS_BYTE, Namespace, PinnedRuns, checksum
 from kvtag_store.backends.memory.pools import Pool
@@ -79,6 +85,9 @@ class MemoryBackend:
         key_index_lag: int = KEY_INDEX_LAG,
         max_tenant_arenas: int = MAX_TENANT_ARENAS,
         prefault: str = "full",
+        disk_dir: str | None = None,
+        disk_capacity: int = 0,
+        disk_segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         """`shm_dir` (e.g. /dev/shm): where tenant arenas are created as files same-host clients may map;
         None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
@@ -86,7 +95,10 @@ class MemoryBackend:
         removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup).
         `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant).
         `prefault`: "full" touches each pool's first arena up to the pool's capacity from its creation
-        (RSS committed up front, puts never wait for first touches); "lazy" only a window ahead of use."""
+        (RSS committed up front, puts never wait for first touches); "lazy" only a window ahead of use.
+        `disk_dir`: the disk tier's directory (None: memory only), `disk_capacity` its size in bytes,
+        split among the pools as the capacity is; raises disk.errors.DiskDirError when the directory
+        cannot be used. `disk_segment_bytes`: the size of its segment files (the unit its LRU drops)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
         if max_tenant_arenas <= 0:
@@ -119,6 +131,26 @@ class MemoryBackend:
         self._allocator = Allocator(self._namespaces, self._pools)
         self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
         self._reader = Reader(self._lock, self._namespaces)
+        self._disk: DiskTier | None = None
+        if disk_dir is not None:
+            self._disk = DiskTier(
+                disk_dir,
+                disk_capacity,
+                lock=self._lock,
+                namespaces=self._namespaces,
+                mode_numbers=self._mode_numbers,
+                memory_capacity=capacity_bytes,
+                pools=self._pools,
+                tenant_pools=self._tenant_pools,
+                shared=self._shared,
+                groups=self._shm_groups,
+                namespace=self._restored_namespace,
+                segment_bytes=disk_segment_bytes,
+            )
+            self._allocator.spill = self._disk.spill_evicted
+            with self._lock:
+                for ns in self._namespaces.values():
+                    ns.spill = self._disk.queue
 
     @property
     def max_value_bytes(self) -> int:
@@ -249,7 +281,23 @@ class MemoryBackend:
     def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None) -> Namespace:
         """Caller holds the lock."""
         arena = self._arena(tenant if tenant is not None else "")
-        return Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
+        ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
+        disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
+        if disk is not None and not disk.degraded:
+            ns.spill = disk.queue
+        return ns
+
+    def _restored_namespace(self, namespace_id: str, tenant: str | None) -> Namespace:
+        """A namespace the disk tier found records of at start-up, in its tenant's pool. Caller holds
+        the lock."""
+        pool = self._tenant_pools.get(tenant, self._shared) if tenant is not None else self._shared
+        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
+        return ns
+
+    def restored(self) -> dict[str, tuple[str | None, frozenset[str]]]:
+        """namespace_id -> (tenant, mode_ids stored) of the records the disk tier found at start-up
+        (empty without one): the census seeds itself from it."""
+        return dict(self._disk.restored) if self._disk is not None else {}
 
     def _ns(self, namespace_id: str) -> Namespace:
         """The namespace; created in the shared pool and arena if no session named its tenant. Caller
@@ -294,6 +342,8 @@ class MemoryBackend:
                     insert(mode_id, address, grant, next(stored)) if isinstance(grant, Slot) else grant
                     for (address, _), grant in zip(chunk, granted, strict=True)
                 )
+        if self._disk is not None:
+            self._disk.wake()
         return results
 
     def reserve(
@@ -319,7 +369,10 @@ class MemoryBackend:
         """Shared-memory Put, step 2: the reserved slots (by generation) the client wrote, checksummed
         (unless `digests` came with them) and inserted. `addresses` bind spare slots to their keys.
         Returns a result per generation and the bytes newly stored."""
-        return self._reservations.commit(namespace_id, mode_id, generations, digests, addresses)
+        outcome = self._reservations.commit(namespace_id, mode_id, generations, digests, addresses)
+        if self._disk is not None:
+            self._disk.wake()
+        return outcome
 
     def cancel(self, generations: Iterable[int]) -> None:
         """Free reserved slots that were never committed (their session ended). Unknown ones are ignored."""
@@ -337,6 +390,8 @@ class MemoryBackend:
             if ns is None:
                 return [_MISS] * len(addresses)
             statuses, _ = ns.find(mode_id, addresses, touch=False)
+            if ns.disk and _MISS in statuses:
+                ns.disk_statuses(mode_id, addresses, statuses)
         return statuses
 
     def lookup_and_pin(
@@ -350,7 +405,11 @@ class MemoryBackend:
                 return [_MISS] * len(addresses), []
             statuses, found = ns.find(mode_id, addresses, touch=False)
             pinned: Sequence[BlockAddress] = []
-            if statuses.count(_HIT):
+            if ns.disk and _MISS in statuses:
+                ns.disk_statuses(mode_id, addresses, statuses)
+                pinned = [a for a, s in zip(addresses, statuses, strict=True) if s is _HIT]
+                ns.pins.update(pinned)
+            elif statuses.count(_HIT):
                 pinned = (
                     addresses
                     if None not in found
@@ -375,7 +434,10 @@ class MemoryBackend:
 
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
-        a failing value is dropped, counted in corrupted_dropped and answered as a MISS."""
+        a failing value is dropped, counted in corrupted_dropped and answered as a MISS. Values held on
+        disk only are read back into memory first (a failing record is dropped and answered as a MISS)."""
+        if self._disk is not None:
+            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
         return self._reader.get(namespace_id, mode_id, addresses)
 
     def get_views(
@@ -383,6 +445,8 @@ class MemoryBackend:
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
         until the caller unpins it, so an inline Get reply is built straight from the arena."""
+        if self._disk is not None:
+            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
         return self._reader.get_views(namespace_id, mode_id, addresses)
 
     def get_references(
@@ -391,8 +455,15 @@ class MemoryBackend:
         """Shared-memory Get: statuses, a reference per hit and the pinned addresses, which the caller
         holds under a lease until the reader released them (unpin). With `verify` a failing value is
         dropped and answered as a MISS, like get; without it each reference carries the committed
-        digest for the reader to check its copy against."""
+        digest for the reader to check its copy against. A disk-resident value is read back first,
+        straight into the slot the reader copies from."""
+        if self._disk is not None:
+            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
         return self._reader.get_references(namespace_id, mode_id, addresses, verify)
+
+    def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
+        """A slot for a value read back from disk (the disk tier calls it under the lock)."""
+        return self._allocator.allocate(ns, size)
 
     # -- leases -------------------------------------------------------------
 
@@ -411,9 +482,10 @@ class MemoryBackend:
     # -- reporting ----------------------------------------------------------
 
     def stats(self) -> BackendStats:
+        """With the disk tier on, `tiers` is [memory, disk]."""
         prefault = self.prefault_progress()
         with self._lock:
-            return usage_report(
+            report = usage_report(
                 prefault=prefault,
                 name=self.name,
                 capacity=self._capacity,
@@ -424,6 +496,13 @@ class MemoryBackend:
                 evictions=self._allocator.evictions,
                 corrupted=self._reader.corrupted,
             )
+            if self._disk is not None:
+                report.tiers.append(self._disk.usage())
+        return report
+
+    def disk_tier(self) -> DiskTier | None:
+        """The disk tier, for its own figures (spill_dropped, rebuild time); None without one."""
+        return self._disk
 
     def slots_in_use(self) -> int:
         """Slots held by values and reservations, across arenas: equals keys + reservations when
@@ -432,6 +511,17 @@ class MemoryBackend:
             return sum(arena.slots_in_use for arena in self._arenas.values())
 
     def close(self) -> None:
+        """With the disk tier: first every value still only in memory is queued and written, the writer
+        drained, the files fsynced and the directory's lock released (the server calls this on SIGTERM)."""
+        disk, self._disk = self._disk, None
+        if disk is not None:
+            with self._lock:
+                if not disk.degraded:
+                    for ns in self._namespaces.values():
+                        for address, entry in ns.entries.items():
+                            if entry.disk is None:
+                                disk.queue.append((ns.namespace_id, address, entry.slot.generation))
+            disk.close()
         with self._lock:
             self._namespaces.clear()
             self._reservations.clear()

@@ -18,6 +18,7 @@ import xxhash
 from kvtag_store.backends import key_index
 from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, PutResult
+from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_key
 from kvtag_store.backends.memory.pools import Pool
 
 _HIT = KeyStatus.HIT
@@ -39,21 +40,24 @@ KEY_INDEX_LAG = 4096
 # The checksum of every stored value, chosen here only: xxh3-64. It is faster than zlib's CRC-32
 # (docs/benchmarks.md has the figures and the A/B) and releases the GIL like it.
 # A corrupted value passes unnoticed with probability 2**-64 (CRC-32 catches every single-bit flip
-# for certain, any other damage with 2**-32). Values live in process memory only: nothing persisted
-# depends on the choice.
+# for certain, any other damage with 2**-32). The disk tier stores this digest in each record's
+# header: changing the function means a new disk format version.
 checksum = xxhash.xxh3_64_intdigest
 
 
 class Entry:
     """One stored block. A slotted class, not a dataclass: millions may exist."""
 
-    __slots__ = ("arena", "checksum", "mode_id", "slot")
+    __slots__ = ("arena", "checksum", "disk", "mode_id", "slot")
 
-    def __init__(self, mode_id: str, arena: Arena, slot: Slot, digest: int) -> None:
+    def __init__(self, mode_id: str, arena: Arena, slot: Slot, digest: int, disk: int | None = None) -> None:
         self.mode_id = mode_id
         self.arena = arena
         self.slot = slot
         self.checksum = digest
+        # Its record's location in the disk tier (disk.records.location), None while in memory only:
+        # evicting an entry already on disk costs nothing.
+        self.disk = disk
 
     def view(self) -> memoryview:
         """The value's bytes in the arena: valid while the entry is pinned or the lock is held."""
@@ -120,6 +124,8 @@ class Namespace:
     __slots__ = (
         "arena",
         "changed",
+        "disk",
+        "disk_hit_count",
         "entries",
         "key_index",
         "key_index_lag",
@@ -128,6 +134,7 @@ class Namespace:
         "namespace_id",
         "pins",
         "pool",
+        "spill",
         "tenant",
         "touched",
         "used_bytes",
@@ -161,6 +168,12 @@ class Namespace:
         # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
         self.leases: dict[int, PinnedRuns] = {}
         self.used_bytes = 0
+        # The disk tier's index of this namespace: index_key(group, key) -> one packed location int
+        # (no object per key beyond the key bytes), and the keys Lookups found only there.
+        self.disk: dict[bytes, int] = {}
+        self.disk_hit_count = 0
+        # The disk writer's queue, when the disk tier is on: each insert appends its reference.
+        self.spill: deque[tuple[object, ...]] | None = None
         # When a session last named the namespace (time.monotonic()), and puts between taking their
         # slots and inserting them: forget_namespaces keeps a namespace either says is in use.
         self.touched = time.monotonic()
@@ -168,7 +181,8 @@ class Namespace:
 
     def idle(self, since: float) -> bool:
         """Holds nothing (blocks, pins, leases, puts in flight) and untouched since `since`."""
-        return not (self.entries or self.pins or self.leases or self.writers) and self.touched <= since
+        busy = self.entries or self.disk or self.pins or self.leases or self.writers
+        return not busy and self.touched <= since
 
     # -- pins and leases ------------------------------------------------------
 
@@ -195,9 +209,12 @@ class Namespace:
 
     # -- entries --------------------------------------------------------------
 
-    def insert(self, mode_id: str, address: BlockAddress, slot: Slot, digest: int) -> PutResult:
+    def insert(
+        self, mode_id: str, address: BlockAddress, slot: Slot, digest: int, disk: int | None = None
+    ) -> PutResult:
         """Make a written (reserved) slot visible at `address`, or free it when the address was filled
-        meanwhile."""
+        meanwhile. `disk`: the value was read back from this disk record (not written again); any other
+        insert is queued for the disk writer when the tier is on."""
         pool = self.pool
         pool.reserved -= slot.length
         existing = self.entries.get(address)
@@ -207,7 +224,9 @@ class Namespace:
                 return conflict(existing)
             pool.lru.move_to_end((self.namespace_id, address))  # as ReserveSlots' ALREADY_PRESENT does
             return ALREADY_PRESENT
-        self.entries[address] = Entry(mode_id, self.arena, slot, digest)
+        self.entries[address] = Entry(mode_id, self.arena, slot, digest, disk)
+        if disk is None and self.spill is not None:
+            self.spill.append((self.namespace_id, address, slot.generation))
         self.note_changed(address)
         pool.lru[(self.namespace_id, address)] = None
         self.used_bytes += slot.length
@@ -245,6 +264,52 @@ class Namespace:
             deque(map(self.pool.lru.move_to_end, zip(repeat(self.namespace_id), hits)), maxlen=0)
         return statuses, found
 
+    def disk_statuses(
+        self, mode_id: str, addresses: Sequence[BlockAddress], statuses: list[KeyStatus]
+    ) -> None:
+        """Answer the memory MISSes the disk tier holds: HIT in their own mode, MODE_MISMATCH in another
+        (no bytes either way here). Only called when `disk` is not empty."""
+        disk = self.disk
+        mine = self.mode_numbers.get(mode_id, _UNKNOWN_MODE)
+        hits = 0
+        for i, status in enumerate(statuses):
+            if status is _MISS:
+                address = addresses[i]
+                packed = disk.get(index_key(address[0], address[1]))
+                if packed is not None:
+                    if packed & MAX_MODE_NUMBER == mine:
+                        statuses[i] = _HIT
+                        hits += 1
+                    else:
+                        statuses[i] = _MISMATCH
+        self.disk_hit_count += hits
+
+    def on_disk(self, mode_id: str, address: BlockAddress) -> str | None:
+        """The mode holding `address` on disk (and not in memory), or None."""
+        packed = self.disk.get(index_key(address[0], address[1])) if self.disk else None
+        if packed is None:
+            return None
+        number = packed & MAX_MODE_NUMBER
+        return next((m for m, n in self.mode_numbers.items() if n == number), mode_id)
+
+    def _disk_part(self, mine: int, group: int, packed: bytes, length: int, part: bytes) -> bytes:
+        """A packed run's status bytes with its MISSes answered from the disk index."""
+        disk = self.disk
+        prefix = group.to_bytes(4, "little")
+        statuses = bytearray(part)
+        hits = 0
+        for i in range(len(statuses)):
+            if statuses[i] == _MISS:
+                found = disk.get(prefix + packed[i * length : (i + 1) * length])
+                if found is not None:
+                    if found & MAX_MODE_NUMBER == mine:
+                        statuses[i] = _HIT
+                        hits += 1
+                    else:
+                        statuses[i] = _MISMATCH
+        self.disk_hit_count += hits
+        return bytes(statuses)
+
     # -- the key index --------------------------------------------------------
 
     def lookup_packed_and_pin(
@@ -256,10 +321,16 @@ class Namespace:
         mine = self.mode_numbers.get(mode_id, _UNKNOWN_MODE)
         parts: list[bytes] = []
         pinned: list[tuple[int, bytes, int, bytes | None]] = []
+        on_disk = bool(self.disk)
         for group, packed, length in runs:
             index = self.key_index.get(group)
             if index is None or not len(index):
-                parts.append(MISS_BYTE * (len(packed) // length))
+                part = MISS_BYTE * (len(packed) // length)
+                if on_disk:
+                    part = self._disk_part(mine, group, packed, length, part)
+                    if HIT_BYTE in part:
+                        pinned.append((group, packed, length, part if part.count(_HIT) < len(part) else None))
+                parts.append(part)
                 continue
             modes = index.find(key_index.fingerprints(packed, length))
             hit = modes == mine
@@ -269,8 +340,14 @@ class Namespace:
                 continue
             statuses = np.where(hit, int(_HIT), np.where(modes == _NO_MODE, int(_MISS), int(_MISMATCH)))
             part = statuses.astype(np.uint8).tobytes()
+            if on_disk:
+                part = self._disk_part(mine, group, packed, length, part)
+                if part.count(_HIT) == len(part):
+                    parts.append(part)
+                    pinned.append((group, packed, length, None))
+                    continue
             parts.append(part)
-            if hit.any():
+            if HIT_BYTE in part:
                 pinned.append((group, packed, length, part))
         lease = None
         if pinned:
