@@ -8,8 +8,10 @@ parse_size only."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -147,6 +149,9 @@ class ServeDefaults:
     max_tenant_arenas: int = 16
     # Memory backend: "full" touches the capacity up front, "lazy" only a window ahead of use.
     prefault: str = "full"
+    # Memory backend's disk tier (--disk-dir): with no --disk-capacity, this many times --capacity,
+    # capped by what the file system can give it (docs/disk-tier.md).
+    disk_capacity_factor: int = 4
 
 
 CONFIG = ServiceConfig()
@@ -228,6 +233,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "and a put may wait for first touches)",
         choices=["full", "lazy"],
     )
+    flag(
+        "--disk-dir",
+        "",
+        "memory backend: directory of the disk tier (values evicted from memory go there and are read "
+        "back; a restart on it keeps the cache); empty: memory only. Used by one store at a time",
+    )
+    flag(
+        "--disk-capacity",
+        "",
+        f"bytes of values the disk tier holds, e.g. 64GiB; empty: {SERVE.disk_capacity_factor}x "
+        "--capacity, capped by the file system's free space plus what the tier already holds",
+    )
     flag("--log-format", "text", "log format: text or json", choices=["text", "json"])
     flag("--log-level", "info", "log level: debug, info, warning, error")
     env = env_name("--namespace-policy")
@@ -295,3 +312,33 @@ def _positive(flag: str, value: object) -> int:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value!r}")
     return number
+
+
+def disk_capacity(disk_dir: str, text: str, capacity_bytes: int) -> int:
+    """--disk-capacity in bytes; when empty, SERVE.disk_capacity_factor x --capacity, capped by the
+    file system's free space plus the bytes already under DIR (a restart must not shrink the tier
+    below what it holds), less 5% headroom for the file system. SizeError on a malformed size."""
+    if text.strip():
+        size = parse_size(text)
+        if size <= 0:
+            raise SizeError(f"--disk-capacity must be positive, got {text!r}")
+        return size
+    wanted = SERVE.disk_capacity_factor * capacity_bytes
+    probe = os.path.abspath(disk_dir)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return wanted  # the backend names the unusable directory
+    held = _bytes_under(disk_dir)
+    return max(1, min(wanted, (free + held) * 95 // 100))
+
+
+def _bytes_under(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total

@@ -10,7 +10,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import grpc
@@ -23,11 +25,13 @@ from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_chann
 from kvtag_store.app import terminal
 from kvtag_store.app.server import start_server
 from kvtag_store.backends.base import BlockBackend, CensusStore
+from kvtag_store.backends.disk.errors import DiskDirError
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.backends.mooncake import options as mooncake_options
 from kvtag_store.config import (
     SERVE,
     add_serve_arguments,
+    disk_capacity,
     env_default,
     env_name,
     parse_size,
@@ -35,6 +39,7 @@ from kvtag_store.config import (
     service_config,
 )
 from kvtag_store.observe import logs, report
+from kvtag_store.policy.census_snapshot import SNAPSHOT_NAME, SnapshotCensus
 from kvtag_store.security import options
 
 log = logging.getLogger("kvtag_store")
@@ -142,17 +147,39 @@ def _build_backend(args: argparse.Namespace, security: options.Security) -> tupl
         if security.tenant_quotas:
             raise ValueError("--tenant-quota applies to the memory backend only (docs/security.md)")
         return mooncake_options.build(args, security.shm_groups)
-    return (
-        MemoryBackend(
-            parse_size(str(args.capacity)),
-            security.tenant_quotas,
-            shm_dir=args.shm_dir or None,
-            shm_groups=security.shm_groups,
-            max_tenant_arenas=int(args.max_tenant_arenas),
-            prefault=args.prefault,
-        ),
-        MemoryCensus(),
+    capacity = parse_size(str(args.capacity))
+    disk_dir = str(args.disk_dir)
+    backend = MemoryBackend(
+        capacity,
+        security.tenant_quotas,
+        shm_dir=args.shm_dir or None,
+        shm_groups=security.shm_groups,
+        max_tenant_arenas=int(args.max_tenant_arenas),
+        prefault=args.prefault,
+        disk_dir=disk_dir or None,
+        disk_capacity=disk_capacity(disk_dir, str(args.disk_capacity), capacity) if disk_dir else 0,
     )
+    if not disk_dir:
+        return backend, MemoryCensus()
+    # Admission survives a restart with the blocks: strict namespaces keep their mode (census_snapshot).
+    try:
+        census = SnapshotCensus(Path(disk_dir) / SNAPSHOT_NAME, backend.restored())
+    except BaseException:
+        backend.close()
+        raise
+    return backend, census
+
+
+def _disk_flags_error(args: argparse.Namespace) -> str | None:
+    """Why the disk flags cannot apply, checked before anything starts."""
+    if args.backend == "mooncake" and (args.disk_dir or args.disk_capacity):
+        return (
+            "--disk-dir/--disk-capacity are for the memory backend; Mooncake has its own offload to "
+            "SSD (configure it on the Mooncake cluster, docs/mooncake.md)"
+        )
+    if args.disk_capacity and not args.disk_dir:
+        return "--disk-capacity needs --disk-dir (the directory of the disk tier)"
+    return None
 
 
 def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -160,8 +187,14 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = service_config(args)
         workers = int(args.workers)
         parse_size(str(args.capacity))
+        if args.disk_capacity:
+            disk_capacity(str(args.disk_dir), str(args.disk_capacity), 1)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         parser.error(str(exc))
+    disk_error = _disk_flags_error(args)
+    if disk_error is not None:
+        print(f"kvtag-store serve: {disk_error}", file=sys.stderr)
+        return 2
     logs.configure(args.log_format, args.log_level)
     try:
         security = options.build(args)
@@ -172,6 +205,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # gen0 threshold of 700 makes every 4,096-key request trigger several collections.
     gc.set_threshold(50_000, 20, 20)
     stop = threading.Event()
+    deadlines: list[threading.Timer] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         lifecycle.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
@@ -179,6 +213,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             deadline = threading.Timer(GRACE_S + HARD_EXIT_SLACK_S, _exit_now)
             deadline.daemon = True
             deadline.start()
+            deadlines.append(deadline)
         stop.set()
 
     def on_reload(_signum: int, _frame: FrameType | None) -> None:
@@ -190,6 +225,13 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, on_reload)
     try:
         backend, census_store = _build_backend(args, security)
+    except DiskDirError as exc:  # names the path and the reason, including "another store holds it"
+        log.error("cannot start: %s", exc)
+        return 2
+    except Exception as exc:  # an unreachable backend: say so and exit non-zero
+        log.error("cannot start: %s", exc)
+        return 1
+    try:
         running = start_server(
             backend,
             census_store,
@@ -199,8 +241,9 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             workers=workers,
             security=security,
         )
-    except Exception as exc:  # a bind failure or an unreachable backend: say so and exit non-zero
+    except Exception as exc:  # a bind failure: say so and exit non-zero
         log.error("cannot start: %s", exc)
+        backend.close()
         return 1
     stats = backend.stats()
     lifecycle.info(
@@ -219,7 +262,16 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )
     while not stop.wait(1.0):
         pass
-    if running.stop(grace=GRACE_S):
+    finished = running.stop_serving(grace=GRACE_S)
+    # The hard exit guards gRPC's stop only: the backend's close (a disk tier writing memory's blocks
+    # out, so a restart keeps them) runs to its end, then the process exits.
+    for deadline in deadlines:
+        deadline.cancel()
+    closing = time.monotonic()
+    backend.close()
+    if args.disk_dir:
+        lifecycle.info("closed the disk tier", extra={"seconds": round(time.monotonic() - closing, 3)})
+    if finished:
         lifecycle.info("stopped cleanly")
         return 0
     _exit_now()
