@@ -125,6 +125,7 @@ class DiskTier:
         self._next_seq = max(self._segments, default=0) + 1
         self._wakeup = threading.Event()
         self._stopping = False
+        self._busy = False
         self._writer = threading.Thread(target=self._run, name="kvtag-disk-writer", daemon=True)
         self._writer.start()
 
@@ -222,16 +223,30 @@ class DiskTier:
         self._pending_copies += length
         self.queue.append((ns.namespace_id, address, entry.mode_id, entry.checksum, bytes(entry.view())))
 
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is written (or the tier is off); False on timeout. For
+        tests, benchmarks and close: puts never call it."""
+        deadline = time.monotonic() + timeout
+        while self.queue or self._busy:
+            if self.degraded or time.monotonic() > deadline:
+                return self.degraded
+            self._wakeup.set()
+            time.sleep(0.002)
+        return True
+
     def _run(self) -> None:
         while True:
             self._wakeup.wait(0.05)
             self._wakeup.clear()
             try:
+                self._busy = True
                 while self._write_batch():
                     pass
             except Exception:  # a bug must not kill the writer silently: turn the tier off instead
                 log.exception("disk tier: writer failed")
                 self._degrade("writer", self.path, OSError(errno.EIO, "internal error in the writer"))
+            finally:
+                self._busy = False
             if self._stopping and (self.degraded or not self.queue):
                 return
 
@@ -241,8 +256,14 @@ class DiskTier:
         total = 0
         queue = self.queue
         namespaces = self._namespaces
+        taken: set[tuple[str, BlockAddress]] = set()  # an address queued twice is written once
         while queue and len(jobs) < _BATCH_RECORDS and total < self._batch_bytes:
             item = queue.popleft()
+            if (item[0], item[1]) in taken:
+                if len(item) == 5:
+                    self._pending_copies -= len(item[4])
+                continue
+            taken.add((item[0], item[1]))
             if len(item) == 3:
                 ns_id, address, generation = item
                 ns = namespaces.get(ns_id)
@@ -295,7 +316,7 @@ class DiskTier:
                     job.ns.unpin([job.address])
             for n, (segment, _, items) in enumerate(placed):
                 segment.pending = False
-                if n >= written:
+                if n >= written or self.degraded:
                     continue
                 for job, _, _, packed in items:
                     key = index_key(job.address[0], job.address[1])
@@ -364,7 +385,9 @@ class DiskTier:
         """The tenant's segment with room for `size` more bytes. Caller holds the lock."""
         name = tenant_dir_name(tenant)
         segment = self._active.get(name)
-        if segment is not None and not segment.dropped and segment.size + size <= self._segment_bytes:
+        # At most 1/8 of the pool's budget per segment, so its LRU always has sealed ones to drop.
+        limit = min(self._segment_bytes, self._budget(pool) // 8)
+        if segment is not None and not segment.dropped and (segment.size + size <= limit or not segment.size):
             return segment
         if segment is not None and not segment.dropped:
             segment.sealed = True
