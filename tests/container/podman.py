@@ -166,7 +166,8 @@ class ComposeProject:
         return names[0]
 
     def down(self) -> None:
-        """Remove the containers and the project's networks (podman-compose 1.0 keeps networks)."""
+        """Remove the containers, the project's networks (podman-compose 1.0 keeps networks) and its
+        volumes."""
         ids = podman(
             "ps", "--all", "--quiet", "--filter", f"label=io.podman.compose.project={self.project}"
         ).stdout.split()
@@ -177,3 +178,9 @@ class ComposeProject:
         ).stdout.split()
         if networks:
             podman("network", "rm", "--force", *networks, check=False)
+        # compose.yaml's disk tier volume (PROJECT_kvtag-disk): a test's cache must not outlive it.
+        volumes = podman(
+            "volume", "ls", "--quiet", "--filter", f"label=io.podman.compose.project={self.project}"
+        ).stdout.split()
+        volumes += [v for v in (f"{self.project}_kvtag-disk",) if v not in volumes]
+        podman("volume", "rm", "--force", *volumes, check=False)
