@@ -66,6 +66,11 @@ class MooncakeCluster:
     def metrics_address(self) -> str:
         return f"127.0.0.1:{self.metrics_port}"
 
+    @property
+    def metrics_flag(self) -> str:
+        """What a kvtag replica's --mooncake-metrics names (every master's, for an HA cluster)."""
+        return self.metrics_address
+
     def start_master(self) -> None:
         require_private_netns()
         log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 - owned by the process

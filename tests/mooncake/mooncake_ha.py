@@ -29,9 +29,16 @@ class HaMooncakeCluster(MooncakeCluster):
         default_factory=list
     )  # (process, metrics port)
 
+    # Every master's metrics port, the killed ones included (a deployment's flag names them all).
+    all_metrics_ports: list[int] = field(default_factory=list)
+
     @property
     def master_address(self) -> str:
         return f"etcd://127.0.0.1:{self.etcd_port}"
+
+    @property
+    def metrics_flag(self) -> str:
+        return ",".join(f"127.0.0.1:{port}" for port in self.all_metrics_ports)
 
     def start_master(self) -> None:
         require_private_netns()
@@ -70,6 +77,7 @@ class HaMooncakeCluster(MooncakeCluster):
                 stderr=subprocess.STDOUT,
             )
             self.masters.append((proc, metrics_port))
+            self.all_metrics_ports.append(metrics_port)
             if n == 0:
                 # It leads once it has found no master view and no oplog in etcd (seconds). /health
                 # answers before that, so wait for etcd to name it: a second master started earlier

@@ -44,7 +44,7 @@ class Replica:
                 "--metrics-listen=",
                 "--backend=mooncake",
                 f"--mooncake-master={self.cluster.master_address}",
-                f"--mooncake-metrics={self.cluster.metrics_address}",
+                f"--mooncake-metrics={self.cluster.metrics_flag}",
                 "--mooncake-local-buffer=32MiB",
                 f"--mooncake-lease-ttl-ms={self.cluster.lease_ttl_ms}",
                 "--workers=4",

@@ -69,3 +69,32 @@ def test_this_suite_does_not_shadow_the_mooncake_wheel() -> None:
 
     assert Path(mooncake.store.__file__).resolve().parents[1] != Path(__file__).resolve().parents[1]
     assert "site-packages" in Path(mooncake.store.__file__).parts
+
+
+def test_an_ha_master_needs_every_masters_metrics_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With etcd:// there is no single master host to guess port 9003 on; GetStats must follow the
+    leader, so the flag names each master's metrics endpoint."""
+    monkeypatch.delenv("KVTAG_MOONCAKE_METRICS", raising=False)
+    monkeypatch.delenv("KVTAG_MOONCAKE_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="--mooncake-metrics naming every master"):
+        mooncake_options.settings_from(parse(["--mooncake-master", "etcd://127.0.0.1:2379"]))
+    both = "127.0.0.1:9003,127.0.0.1:9013"
+    settings = mooncake_options.settings_from(
+        parse(["--mooncake-master", "etcd://127.0.0.1:2379", "--mooncake-metrics", both])
+    )
+    assert settings.metrics == both
+
+
+def test_metrics_of_no_reachable_master_fail_at_start_naming_each_address() -> None:
+    from kvtag_store.backends.base import BackendUnavailable
+    from kvtag_store.backends.mooncake.client import probe_master_metrics, read_master_metrics
+
+    from tests.net import free_port
+
+    dead = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    with pytest.raises(BackendUnavailable) as probed:
+        probe_master_metrics(dead, timeout_s=0.5)
+    for address in dead.split(","):
+        assert address in str(probed.value)
+    with pytest.raises(BackendUnavailable, match=r"no Mooncake master among .* leads"):
+        read_master_metrics(dead, timeout_s=0.5)

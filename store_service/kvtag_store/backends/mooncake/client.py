@@ -6,6 +6,7 @@ them imports the backend (and the wheel is imported only when a client is really
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.request
 from collections.abc import Mapping
@@ -117,7 +118,67 @@ def _probe_master(master: str, timeout_s: float = 3.0) -> None:
 
 
 def read_master_metrics(address: str, timeout_s: float = 2.0) -> dict[str, float]:
-    """Unlabelled samples of the master's Prometheus text endpoint (http://ADDRESS/metrics)."""
+    """Unlabelled samples of the master's Prometheus text endpoint (http://ADDRESS/metrics).
+
+    `address` may name several masters' metrics endpoints, comma-separated (an HA cluster): the
+    samples are the leader's, since a standby answers /metrics too, with zeros. The leader is the
+    one whose /health says it leads and serves; the last one found is asked first.
+    """
+    addresses = metrics_addresses(address)
+    if len(addresses) == 1:
+        return _samples(addresses[0], timeout_s)
+    return _samples(_leader(address, addresses, timeout_s), timeout_s)
+
+
+def metrics_addresses(address: str) -> list[str]:
+    """The HOST:PORT entries of a --mooncake-metrics value."""
+    return [a.strip() for a in address.split(",") if a.strip()]
+
+
+def probe_master_metrics(address: str, timeout_s: float = 2.0) -> None:
+    """At start-up: at least one of the named metrics endpoints answers (a wrong --mooncake-metrics is
+    a start-up error, not a surprise at the first scrape; one master of several may be down)."""
+    failures: list[str] = []
+    for one in metrics_addresses(address):
+        try:
+            _samples(one, timeout_s)
+            return
+        except BackendUnavailable as exc:
+            failures.append(str(exc))
+    raise BackendUnavailable("; ".join(failures) or "--mooncake-metrics names no address")
+
+
+# --mooncake-metrics value -> the address that led when last asked.
+_leaders: dict[str, str] = {}
+
+
+def _leader(key: str, addresses: list[str], timeout_s: float) -> str:
+    known = _leaders.get(key)
+    ordered = ([known] if known else []) + [a for a in addresses if a != known]
+    for one in ordered:
+        if _leads(one, timeout_s):
+            _leaders[key] = one
+            return one
+    raise BackendUnavailable(
+        f"no Mooncake master among {', '.join(addresses)} leads and serves now (an election may be "
+        "under way; retry in seconds); check --mooncake-metrics names every master"
+    )
+
+
+def _leads(address: str, timeout_s: float) -> bool:
+    """The master's /health (JSON) says it is the leader and ready; a master without HA (no role
+    field) counts as leading."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout_s) as response:
+            health = json.loads(response.read().decode())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(health, dict):
+        return False
+    return health.get("role", "leader") == "leader" and health.get("service_ready", True) is True
+
+
+def _samples(address: str, timeout_s: float) -> dict[str, float]:
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s) as response:
             text = response.read().decode()

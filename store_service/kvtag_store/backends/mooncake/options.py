@@ -29,7 +29,11 @@ _DEFAULT = MooncakeSettings(master="", metrics="")
 # name -> (default, help). Names are the flag suffixes; env is KVTAG_MOONCAKE_<NAME upper, _>.
 _OPTIONS: dict[str, tuple[str | None, str]] = {
     "master": (None, "Mooncake master RPC address HOST:PORT (required for --backend mooncake)"),
-    "metrics": (None, "master metrics/health address HOST:PORT (default: the master host, port 9003)"),
+    "metrics": (
+        None,
+        "master metrics/health address HOST:PORT (default: the master host, port 9003); with HA "
+        "masters, every master's, comma-separated: the leader's figures are read",
+    ),
     "local-hostname": (
         _DEFAULT.local_hostname,
         "address this process's transfer engine advertises to the cluster",
@@ -110,7 +114,15 @@ def settings_from(args: argparse.Namespace) -> MooncakeSettings:
             f"--backend mooncake needs --mooncake-master HOST:PORT (or {env_name('master')}, "
             'or "master" in --mooncake-config)'
         )
-    metrics = values.get("metrics") or f"{master.rpartition(':')[0] or master}:9003"
+    metrics = values.get("metrics")
+    if not metrics:
+        if master.startswith("etcd://"):
+            raise ValueError(
+                "an HA Mooncake cluster (--mooncake-master etcd://...) needs --mooncake-metrics naming "
+                "every master's metrics address, comma-separated (HOST:PORT,HOST:PORT): GetStats "
+                "follows whichever leads"
+            )
+        metrics = f"{master.rpartition(':')[0] or master}:9003"
     return MooncakeSettings(
         master=master,
         metrics=metrics,
@@ -132,14 +144,12 @@ def build(
     staging arena files."""
     from kvtag_store.backends.mooncake.backend import MooncakeBackend
     from kvtag_store.backends.mooncake.census import MooncakeCensus
-    from kvtag_store.backends.mooncake.client import connect, read_master_metrics
+    from kvtag_store.backends.mooncake.client import connect, probe_master_metrics
 
     settings = dataclasses.replace(settings_from(args), shm_groups=dict(shm_groups or {}))
     client = connect(settings)
     try:
-        # GetStats reads the master's metrics: a wrong --mooncake-metrics is a start-up error, not a
-        # surprise at the first scrape.
-        read_master_metrics(settings.metrics)
+        probe_master_metrics(settings.metrics)
     except Exception:
         client.close()
         raise
