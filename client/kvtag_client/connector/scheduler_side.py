@@ -12,6 +12,7 @@ from kvtag.v1 import store_pb2 as pb
 from ..store import LookupResult, PackedKeys, StoreClient
 from . import compat
 from .config import KvtagConfig
+from .cross_mode import CrossModeWarner
 from .groups import CacheGroups
 from .metadata import BlockTransfer, KvtagConnectorMetadata, LoadJob
 from .namespace import Geometry
@@ -57,6 +58,7 @@ class SchedulerSide:
         self._sync_loads: dict[str, dict[int, int]] = {}
         # Lookups run here, so a slow store holds up only the requests waiting for it.
         self._lookup_threads = ThreadPoolExecutor(_LOOKUP_THREADS, thread_name_prefix="kvtag-lookup")
+        self.cross_mode = CrossModeWarner(self._lookup_threads.submit)
 
     @property
     def async_loads(self) -> bool:
@@ -165,6 +167,7 @@ class SchedulerSide:
                 leases.append(())
                 continue
             result = self._lookup_rank(client, keys, groups, start, start + span)
+            self.cross_mode.observe(client, result.statuses)
             leases.append(result.leases)
             if len(result.statuses) != len(groups) * span:  # never from StoreClient
                 span = 0
