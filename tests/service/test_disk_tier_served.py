@@ -41,7 +41,7 @@ class Served:
             disk_segment_bytes=4 << 20,
         )
         self.server = start_server(self.backend, MemoryCensus(), ServiceConfig(), listen="127.0.0.1:0")
-        return self.server.address
+        return str(self.server.address)
 
     def client(self, lookahead: int = 0, data_path: str = "auto") -> StoreClient:
         assert self.server is not None

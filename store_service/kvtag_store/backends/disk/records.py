@@ -53,6 +53,14 @@ class TornRecord(Exception):
     """The bytes are not a whole, intact record header."""
 
 
+class ShortBuffer(Exception):
+    """The header is whole but its names run past the bytes read: `length` bytes are needed."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+
 def encode_meta(
     namespace_id: str,
     tenant: str | None,
@@ -85,16 +93,20 @@ def meta_length(buffer: bytes | bytearray | memoryview) -> int:
 
 def decode_meta(buffer: bytes | bytearray | memoryview) -> Record:
     """The record whose header and names start `buffer`; TornRecord when they are short or fail their
-    checksum."""
-    length = meta_length(buffer)
+    checksum (ShortBuffer when `buffer` is only too short to hold its names: read more)."""
+    if len(buffer) < HEADER_BYTES:
+        raise TornRecord("short header")
+    magic, version, flags, n, t, m, k, group, value_length, value_digest = _FIXED.unpack_from(buffer)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise TornRecord("bad magic or version")
+    length = HEADER_BYTES + n + t + m + k
     if len(buffer) < length:
-        raise TornRecord("short names")
-    _, _, flags, n, t, m, _, group, value_length, value_digest = _FIXED.unpack_from(buffer)
-    fixed = bytes(buffer[: _FIXED.size])
-    names = bytes(buffer[HEADER_BYTES:length])
-    (stored,) = _DIGEST.unpack_from(buffer, _FIXED.size)
-    if _digest(fixed + names) != stored:
+        raise ShortBuffer(length)
+    raw = bytes(buffer[:length])
+    (stored,) = _DIGEST.unpack_from(raw, _FIXED.size)
+    if _digest(raw[: _FIXED.size] + raw[HEADER_BYTES:]) != stored:
         raise TornRecord("header checksum")
+    names = raw[HEADER_BYTES:]
     try:
         namespace_id = names[:n].decode()
         tenant = names[n : n + t].decode() if flags & _FLAG_TENANT else None

@@ -21,6 +21,7 @@ with the reason); the store then serves from memory only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -34,7 +35,7 @@ from kvtag_store.backends.arena import Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, PutResult, TierUsage
 from kvtag_store.backends.disk import records
 from kvtag_store.backends.disk.layout import DiskDir, create_segment, tenant_dir_name
-from kvtag_store.backends.disk.records import TornRecord, decode_meta, encode_meta, index_key
+from kvtag_store.backends.disk.records import ShortBuffer, TornRecord, decode_meta, encode_meta, index_key
 from kvtag_store.backends.disk.segments import Segment
 from kvtag_store.backends.memory.entries import STORED, Entry, checksum
 from kvtag_store.backends.memory.pools import Pool
@@ -50,6 +51,7 @@ SEGMENT_BYTES = 64 << 20
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 16 << 20
 _IOV_MAX = 1024
+WRITER_NICE = 10
 # A header plus names is read with one pread of this much at start-up (more only for long names).
 _SCAN_READ = 512
 
@@ -151,11 +153,13 @@ class DiskTier:
             while offset < size:
                 buffer = pread(fd, _SCAN_READ, offset)
                 try:
-                    length = records.meta_length(buffer)
-                    if length > len(buffer):
-                        buffer = pread(fd, length, offset)
-                    record = decode_meta(buffer)
-                except TornRecord:
+                    try:
+                        record = decode_meta(buffer)
+                    except ShortBuffer as short:
+                        if short.length > records.MAX_META:
+                            break
+                        record = decode_meta(pread(fd, short.length, offset))
+                except (TornRecord, ShortBuffer):
                     break
                 end = offset + record.meta_length + record.value_length
                 if end > size:
@@ -235,6 +239,11 @@ class DiskTier:
         return True
 
     def _run(self) -> None:
+        # The writer runs niced: puts and Gets take the CPU first (on a busy host the copy into the page
+        # cache is what a disk write costs), and the writer catches up in their gaps; the bounded
+        # spill queue is what a long burst can overrun.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             self._wakeup.wait(0.05)
             self._wakeup.clear()
@@ -352,6 +361,9 @@ class DiskTier:
                 len(job.value),
                 job.digest,
             )
+            if len(meta) > records.MAX_META:  # names longer than a rebuild would trust: kept in memory only
+                self.spill_dropped += 1
+                continue
             size = len(meta) + len(job.value)
             pool = ns.pool
             if pool.disk_used + size > self._budget(pool) and not self._make_room(pool, size):
@@ -456,18 +468,20 @@ class DiskTier:
 
     def read_back(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], allocate: Callable[..., Any]
-    ) -> None:
+    ) -> set[int]:
         """Promote the addresses held on disk only (in this mode) into memory: a slot each
         (`allocate(ns, size)`, evicting as needed), the value preadv'd straight into it, checked
         against its header, inserted as an entry already on disk. A failing record is dropped and
-        counted; an I/O error turns the tier off."""
+        counted; an I/O error turns the tier off. Returns the ids of the entries inserted: their
+        values were verified just now, so the Get need not hash them again."""
+        inserted: set[int] = set()
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None or not ns.disk or self.degraded:
-                return
+                return inserted
             number = self._mode_numbers.get(mode_id)
             if number is None:
-                return
+                return inserted
             jobs: list[tuple[BlockAddress, bytes, int, records.Location, Segment, Slot]] = []
             entries, disk, segments = ns.entries, ns.disk, self._segments
             for address in addresses:
@@ -487,11 +501,17 @@ class DiskTier:
                 segment.readers += 1
                 jobs.append((address, key, packed, where, segment, slot))
             if not jobs:
-                return
+                return inserted
             ns.writers += 1
             arena = ns.arena
         outcomes: list[int | None] = []  # the value's digest, or None when it failed
         failure: tuple[str, OSError] | None = None
+        if len(jobs) > 1:  # every record's read under way at once: the device sees a queue, not one
+            for _, _, _, where, segment, _ in jobs:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(
+                        segment.fd, where.offset, where.meta + where.value_length, os.POSIX_FADV_WILLNEED
+                    )
         for address, _, _, where, segment, slot in jobs:
             if failure is not None:
                 outcomes.append(None)
@@ -514,6 +534,7 @@ class DiskTier:
                 if digest is not None:
                     result: PutResult = ns.insert(mode_id, address, slot, digest, packed)
                     if result is STORED:
+                        inserted.add(id(ns.entries[address]))
                         self.reads_back += 1
                         self._clock += 1
                         segment.last_hit = self._clock
@@ -529,6 +550,7 @@ class DiskTier:
                     )
         if failure is not None:
             self._degrade("read", *failure)
+        return inserted
 
     # -- faults, reports, close --------------------------------------------------
 

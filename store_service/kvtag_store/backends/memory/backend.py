@@ -445,9 +445,8 @@ class MemoryBackend:
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
         until the caller unpins it, so an inline Get reply is built straight from the arena."""
-        if self._disk is not None:
-            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
-        return self._reader.get_views(namespace_id, mode_id, addresses)
+        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
+        return self._reader.get_views(namespace_id, mode_id, addresses, trusted)
 
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
@@ -457,9 +456,8 @@ class MemoryBackend:
         dropped and answered as a MISS, like get; without it each reference carries the committed
         digest for the reader to check its copy against. A disk-resident value is read back first,
         straight into the slot the reader copies from."""
-        if self._disk is not None:
-            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
-        return self._reader.get_references(namespace_id, mode_id, addresses, verify)
+        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
+        return self._reader.get_references(namespace_id, mode_id, addresses, verify, trusted)
 
     def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
         """A slot for a value read back from disk (the disk tier calls it under the lock)."""

@@ -6,7 +6,7 @@ the store, counted, and answered as a MISS.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvtag_store.backends.base import BlockAddress, KeyStatus, ReadResult, SlotReference
 from kvtag_store.backends.memory.entries import Entry, Namespace, checksum
@@ -43,11 +43,16 @@ class Reader:
         return [ReadResult(status, value) for status, value in zip(statuses, values, strict=True)]
 
     def get_views(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        trusted: Collection[int] = (),
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
-        until the caller unpins it, so an inline Get reply is built straight from the arena."""
-        statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+        until the caller unpins it, so an inline Get reply is built straight from the arena.
+        `trusted`: ids of entries whose values were verified just now (read back from disk)."""
+        statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses, trusted)
         results = [
             ReadResult(status, e.view() if e is not None else None)
             for status, e in zip(statuses, found, strict=True)
@@ -55,7 +60,12 @@ class Reader:
         return results, pinned
 
     def get_references(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        verify: bool = True,
+        trusted: Collection[int] = (),
     ) -> tuple[list[KeyStatus], list[SlotReference | None], list[BlockAddress]]:
         """Shared-memory Get: statuses, a reference per hit and the pinned addresses, which the caller
         holds under a lease until the reader released them (unpin). With `verify`, checksums are
@@ -63,7 +73,7 @@ class Reader:
         it each reference carries the committed digest for the reader to check its copy against:
         the value is read once, by the reader, instead of once here and again there."""
         if verify:
-            statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses)
+            statuses, found, pinned = self._verified_pinned(namespace_id, mode_id, addresses, trusted)
         else:
             statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
         references = [
@@ -81,12 +91,20 @@ class Reader:
         return statuses, references, pinned
 
     def _verified_pinned(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        trusted: Collection[int] = (),
     ) -> tuple[list[KeyStatus], list[Entry | None], list[BlockAddress]]:
-        """_read_pinned with every hit's checksum checked in place: a failing value is dropped, unpinned
-        and answered as a MISS."""
+        """_read_pinned with every hit's checksum checked in place (but the `trusted` entries', by id):
+        a failing value is dropped, unpinned and answered as a MISS."""
         statuses, found, pinned = self._read_pinned(namespace_id, mode_id, addresses)
-        bad = [i for i, e in enumerate(found) if e is not None and checksum(e.view()) != e.checksum]
+        bad = [
+            i
+            for i, e in enumerate(found)
+            if e is not None and (not trusted or id(e) not in trusted) and checksum(e.view()) != e.checksum
+        ]
         if bad:
             self._drop_corrupted(namespace_id, addresses, statuses, found, bad)
             dropped = {addresses[i] for i in bad}
