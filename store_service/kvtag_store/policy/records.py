@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+# What a closed log holds instead of its deque: one shared deque that cannot hold anything (maxlen 0),
+# so a closed log the shelf still names costs only its few slots until its entries age out (20,000
+# abandoned namespaces left 8.5 MiB of empty deques on the shelf).
+_CLOSED: deque[Any] = deque(maxlen=0)
 
 # Records the census keeps store-wide, across every log.
 MAX_RECORDS = 8192
@@ -44,8 +49,9 @@ class RecordLog(Generic[T]):
         return bool(self._items)
 
     def close(self) -> None:
-        """The log's owner is forgotten: free its records now (its shelf entries become no-ops)."""
-        self._items.clear()
+        """The log's owner is forgotten: free its records and their deque now (its shelf entries become
+        no-ops)."""
+        self._items = _CLOSED
         self.dead = True
 
 
@@ -57,6 +63,8 @@ class RecordShelf:
         self._order: deque[RecordLog[object]] = deque()
 
     def add(self, log: RecordLog[T], item: T) -> None:
+        if log.dead:
+            return
         log._items.append(item)
         self._order.append(log)  # type: ignore[arg-type]
         if len(log._items) > log.limit:

@@ -1,0 +1,43 @@
+"""The census's record logs: each keeps its own last `limit`, all together at most the shelf's bound,
+and a closed log gives its records and its deque back at once while the shelf still names it."""
+
+from __future__ import annotations
+
+import sys
+
+from kvtag_store.policy.records import RecordLog, RecordShelf
+
+
+def test_each_log_keeps_its_last_records_and_the_shelf_bounds_them_all() -> None:
+    shelf = RecordShelf(max_records=10)
+    first: RecordLog[int] = RecordLog(limit=4)
+    second: RecordLog[int] = RecordLog(limit=4)
+    for n in range(6):
+        shelf.add(first, n)
+    assert list(first) == [2, 3, 4, 5] and first.forgotten == 2
+    for n in range(8):
+        shelf.add(second, 100 + n)
+    assert list(second) == [104, 105, 106, 107]
+    assert len(first) + len(second) <= 10
+    assert first.forgotten + len(first) == 6, "what leaves a log is counted"
+
+
+def test_a_closed_log_frees_its_deque_and_takes_no_more_records() -> None:
+    shelf = RecordShelf(max_records=100)
+    logs: list[RecordLog[bytes]] = [RecordLog(limit=16) for _ in range(20)]
+    for log in logs:
+        for _ in range(5):
+            shelf.add(log, b"x" * 1000)
+    distinct = {id(log._items) for log in logs}
+    assert len(distinct) == 20
+    for log in logs:
+        log.close()
+        shelf.add(log, b"late")  # a record for a forgotten owner is dropped, not kept
+        assert not log and list(log) == [] and log.dead
+    # A deque is ~760 bytes even empty: 20,000 forgotten namespaces' logs must not keep one each.
+    assert len({id(log._items) for log in logs}) == 1, "closed logs share one empty deque"
+    assert sys.getsizeof(logs[0]._items) <= 760
+    live: RecordLog[bytes] = RecordLog(limit=16)
+    for _ in range(200):  # the dead logs' shelf entries age out as no-ops
+        shelf.add(live, b"y")
+    assert len(live) == 16 and len(shelf) == 100
