@@ -251,6 +251,8 @@ class SharedMemoryHalf:
                 pinned.append(StagedAddress(addresses[i], staged))
                 kept.append(staged)
         finally:
+            for _, _, staged in reading:  # the headers are read: the generation words go back
+                staged.restore_generation()
             held = {staged.generation for staged in kept}
             self._staging.free([staged for _, _, staged in reading if staged.generation not in held])
         if corrupt:

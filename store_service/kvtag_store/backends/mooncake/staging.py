@@ -8,12 +8,22 @@ from the cluster straight into a slot (`batch_get_into_multi_buffers`), checks
 it there, and hands out a reference, the slot staying pinned until the lease
 that holds it is released. No value passes through a Python `bytes`.
 
-Each slot keeps room for kvtag's value header in front of the payload, so the
-whole Mooncake object (header then payload) is two ranges of one slot:
+Each slot keeps room for kvtag's value header right in front of the payload, so
+the whole Mooncake object (header then payload) is one range of the slot:
 
-    [o, o+100)          the value header (mooncake.format)
+    [o+24, o+128)       the value header (mooncake.format, 104 bytes)
     [o+120, o+128)      the generation word the client checks (8 bytes before the payload)
     [o+128, o+128+n)    the payload: what the client's SharedMemoryRef names
+
+The header's last 8 bytes and the generation word share a place: while a value
+is read into the slot, or sent from it, that place holds header bytes, and
+`Staged.restore_generation` writes the word back before any reference to the
+slot is handed out (a Get) or the slot is freed (a put). No client holds a
+reference to a slot in that window; a stale one (of a slot freed and reused)
+already sees a generation that is not its own, and header bytes equal to it
+would still fail the digest check of its copy. One range instead of two is one
+transfer slice per object instead of two: 0.04-0.05 ms less per object over TCP
+(in process, 512 x 64 KiB: 72-75 ms against 95-98 ms, load 3.8), nothing at 1 MiB.
 
 One arena per tenant, as with the memory backend, so a client never maps
 another tenant's values.
@@ -54,17 +64,20 @@ class Staged:
 
     @property
     def header_offset(self) -> int:
-        return self.slot.offset
+        return self.payload_offset - HEADER_BYTES
 
     @property
     def payload_offset(self) -> int:
         return self.slot.offset + PREFIX
 
     def buffers(self) -> tuple[list[int], list[int]]:
-        """Mooncake's (pointers, sizes) of the object: header, then the payload if it has bytes."""
-        if self.length == 0:
-            return [self.base + self.header_offset], [HEADER_BYTES]
-        return [self.base + self.header_offset, self.base + self.payload_offset], [HEADER_BYTES, self.length]
+        """Mooncake's (pointers, sizes) of the object: one range, the header then the payload."""
+        return [self.base + self.header_offset], [HEADER_BYTES + self.length]
+
+    def restore_generation(self) -> None:
+        """Put the generation word back over the header's last 8 bytes (see the module docstring):
+        once the header has been checked (a Get) or sent (a put)."""
+        _GENERATION.pack_into(self.arena.view, self.payload_offset - 8, self.generation)
 
     def header(self) -> memoryview:
         return self.arena.view[self.header_offset : self.header_offset + HEADER_BYTES]

@@ -290,10 +290,14 @@ class Writes:
             pointers.append(ptrs)
             sizes.append(lengths)
         if taken:
-            refused = self.register(namespace_id, mode_id)
-            if refused is not None:
-                return [refused] * len(entries)
-            codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
+            try:
+                refused = self.register(namespace_id, mode_id)
+                if refused is not None:
+                    return [refused] * len(entries)
+                codes = self._client.batch_put_from_multi_buffers(mkeys, pointers, sizes)
+            finally:  # the headers are sent (or never will be): the generation words go back
+                for n in taken:
+                    entries[n][1].restore_generation()
             self._cluster.breaker.screen(codes, "storing blocks", counted_unless=PUT_ACCEPTED)
             sent = _Sent(addresses, mkeys, nonces, codes)
             for n, verdict in zip(
