@@ -6,6 +6,7 @@ what was put without the test remembering which puts landed."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -68,6 +69,9 @@ class Engine:
         return answer
 
     def close(self) -> None:
+        """CloseSession, then the channel: the census sees the engine leave."""
+        with contextlib.suppress(grpc.RpcError):  # the store is gone (a kill): the session ends with it
+            self.stub.CloseSession(pb.CloseSessionRequest(session_id=self.session_id), timeout=10)
         self.channel.close()
 
 
@@ -160,7 +164,9 @@ def test_sigkill_under_put_load_then_restart_serves_only_verified_values(start: 
     loader.join(timeout=30)
     assert len(attempted) >= 4 * BATCH, "the load put something before the kill"
     # Tear the newest record of every segment file as a crash mid-write would: the tail cut short.
-    segments = sorted(disk.rglob("*.seg"), key=lambda p: p.stat().st_mtime)
+    segments = sorted(
+        (p for p in disk.rglob("*.seg") if p.stat().st_size > VALUE), key=lambda p: p.stat().st_mtime
+    )
     assert segments, f"nothing reached the disk tier in 3 s of puts: {list(disk.rglob('*'))}"
     torn = segments[-1]
     os.truncate(torn, max(0, torn.stat().st_size - VALUE // 2))
@@ -287,3 +293,27 @@ def test_a_disk_dir_that_cannot_be_used_exits_2_naming_the_path(kind: str, tmp_p
         assert "Mooncake has its own offload" in output
     assert code == 2, output
     assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MemoryBackend.stats().per_namespace counts memory entries only (backends/memory/usage.py), so "
+    "the census sweep takes a disk-only namespace for empty and forgets its strict mode",
+)
+def test_a_strict_namespace_whose_blocks_are_only_on_disk_is_not_forgotten(
+    start: Any, tmp_path: Path
+) -> None:
+    """The census forgets a namespace without blocks after --census-retention; blocks on the disk
+    tier are blocks, so a strict namespace holding only those keeps its mode past the window."""
+    disk = tmp_path / "disk"
+    store: StoreProcess = start(*serve_args(disk, "--policy", "strict", "--census-retention", "500ms"))
+    first = Engine(store.endpoint)
+    put_settled(first, keys("forget", BATCH))
+    first.close()
+    store.stop()
+    store.start()
+    Engine(store.endpoint).close()  # admitted in its mode; its blocks stay on disk, none read back
+    time.sleep(3.0)  # several retention windows and sweeps
+    with pytest.raises(grpc.RpcError) as refused:
+        Engine(store.endpoint, lookahead=0, engine_id="legacy")
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
