@@ -5,8 +5,10 @@ turns the tier off while the store keeps serving from memory."""
 from __future__ import annotations
 
 import os
+import random
 import stat
 import subprocess
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,6 +299,8 @@ def test_unusable_dirs_are_refused_with_the_reason(tmp_path: Path) -> None:
     (future / "format").write_text("kvtag-disk 9\n")
     with pytest.raises(DiskDirError, match="kvtag-disk 9"):
         open_backend(future)
+    with pytest.raises(DiskDirError, match="disk capacity must be positive"):
+        open_backend(tmp_path / "no-capacity", disk_capacity=0)
     # The refused dir's lock was released: a fixed format line makes it usable.
     (future / "format").write_text("kvtag-disk 1\n")
     open_backend(future).close()
@@ -435,3 +439,52 @@ def test_memory_per_disk_resident_key_is_within_200_bytes(tmp_path: Path) -> Non
         assert per_key <= 200, f"{per_key:.0f} bytes of memory per disk-resident key"
     finally:
         again.close()
+
+
+def test_concurrent_puts_gets_and_lookups_never_serve_wrong_bytes(
+    tmp_path: Path, backends: list[MemoryBackend]
+) -> None:
+    """Readers race the writer, eviction, read-back and the disk LRU (small memory, small disk)."""
+    backend = open_backend(tmp_path / "disk", capacity=1 << 20, disk_capacity=2 << 20, segment=128 << 10)
+    backends.append(backend)
+    stored = values(240, 16 << 10)  # 3.75 MiB: through 1 MiB of memory and 2 MiB of disk
+    addrs = list(stored)
+    wrong: list[str] = []
+    stop = threading.Event()
+
+    def writer(part: int) -> None:
+        for start in range(part * 120, part * 120 + 120, 4):
+            backend.put_many(NS, MODE, [(a, stored[a]) for a in addrs[start : start + 4]])
+            tier(backend).drain()  # paced as the writer goes: this test is about races, not overruns
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            chosen = rng.sample(addrs, 4)
+            if rng.random() < 0.3:
+                _, pinned = backend.lookup_and_pin(NS, MODE, chosen)
+                backend.unpin(NS, pinned)
+                continue
+            for a, result in zip(chosen, backend.get(NS, MODE, chosen), strict=True):
+                if result.value is not None and bytes(result.value) != stored[a]:
+                    wrong.append(a[1][:4].hex())
+
+    readers = [threading.Thread(target=reader, args=(n,)) for n in range(2)]
+    writers = [threading.Thread(target=writer, args=(n,)) for n in range(2)]
+    for thread in readers + writers:
+        thread.start()
+    for thread in writers:
+        thread.join()
+    assert tier(backend).drain()
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert not wrong, f"wrong bytes served for {wrong[:5]}"
+    got = get_in_batches(backend, addrs)
+    assert all(v is None or v == stored[a] for a, v in zip(addrs, got, strict=True))
+    assert backend.slots_in_use() == backend.stats().keys, "a slot leaked"
+    row = disk_row(backend)
+    assert row.reads_back > 0 and row.evictions > 0 and row.used_bytes <= 2 << 20, (
+        row,
+        tier(backend).spill_dropped,
+    )

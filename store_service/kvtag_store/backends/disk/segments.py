@@ -13,7 +13,19 @@ class Segment:
     and written (pwritev) by the writer thread outside it, which is why a dropped segment is only
     unlinked at once and closed when its last reader is done."""
 
-    __slots__ = ("dropped", "fd", "last_hit", "path", "pending", "pool", "readers", "sealed", "seq", "size")
+    __slots__ = (
+        "dropped",
+        "fd",
+        "keys",
+        "last_hit",
+        "path",
+        "pending",
+        "pool",
+        "readers",
+        "sealed",
+        "seq",
+        "size",
+    )
 
     def __init__(self, seq: int, path: str, fd: int, size: int, pool: Pool, last_hit: int) -> None:
         self.seq = seq
@@ -26,6 +38,9 @@ class Segment:
         self.pending = False  # the writer has records placed in it that it has not written yet
         self.sealed = False  # full (or found at start-up): no more appends; fsynced when sealed
         self.dropped = False
+        # namespace_id -> the index keys of its records here (the very bytes objects the index holds,
+        # so 8 bytes a record): dropping the segment visits its own records, not the whole index.
+        self.keys: dict[str, list[bytes]] = {}
 
     def release(self) -> None:
         """The last use of a dropped segment is over: close its fd."""

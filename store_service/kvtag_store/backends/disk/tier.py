@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvtag_store.backends.arena import Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, PutResult, TierUsage
 from kvtag_store.backends.disk import records
+from kvtag_store.backends.disk.errors import DiskDirError
 from kvtag_store.backends.disk.layout import DiskDir, create_segment, tenant_dir_name
 from kvtag_store.backends.disk.records import ShortBuffer, TornRecord, decode_meta, encode_meta, index_key
 from kvtag_store.backends.disk.segments import Segment
@@ -88,7 +89,9 @@ class DiskTier:
         tenant)` makes a namespace for a record found at start-up (caller holds the lock).
         Raises DiskDirError when the directory cannot be used."""
         if capacity <= 0:
-            raise ValueError("disk capacity must be positive when a disk dir is set")
+            raise DiskDirError(
+                path, "the disk capacity must be positive with a disk dir; set --disk-capacity"
+            )
         self.dir = DiskDir(path)
         self.path = self.dir.path
         self.capacity = capacity
@@ -149,6 +152,7 @@ class DiskTier:
                 continue
             offset = 0
             pool: Pool | None = None
+            held: dict[str, list[bytes]] = {}
             pread = os.pread
             while offset < size:
                 buffer = pread(fd, _SCAN_READ, offset)
@@ -177,9 +181,12 @@ class DiskTier:
                     offset = end
                     continue
                 modes[ns_id].add(record.mode_id)
-                ns.disk[index_key(record.group, record.key)] = records.location(
-                    seq, offset, record.meta_length, record.value_length, number
-                )
+                key = index_key(record.group, record.key)
+                ns.disk[key] = records.location(seq, offset, record.meta_length, record.value_length, number)
+                keys = held.get(ns_id)
+                if keys is None:
+                    keys = held[ns_id] = []
+                keys.append(key)
                 if pool is None:
                     pool = ns.pool
                 self.rebuilt_records += 1
@@ -205,6 +212,7 @@ class DiskTier:
             pool = pool or self._shared
             self._clock += 1
             segment = Segment(seq, path, fd, offset, pool, self._clock)
+            segment.keys = held
             segment.sealed = True
             pool.disk_used += offset
             self._segments[seq] = segment
@@ -327,9 +335,14 @@ class DiskTier:
                 segment.pending = False
                 if n >= written or self.degraded:
                     continue
+                held = segment.keys
                 for job, _, _, packed in items:
                     key = index_key(job.address[0], job.address[1])
                     job.ns.disk[key] = packed
+                    keys = held.get(job.ns.namespace_id)
+                    if keys is None:
+                        keys = held[job.ns.namespace_id] = []
+                    keys.append(key)
                     entry = job.ns.entries.get(job.address)
                     if entry is not None and entry.disk is None and entry.mode_id == job.mode_id:
                         entry.disk = packed
@@ -436,12 +449,14 @@ class DiskTier:
         """Drop a segment whole unless a record of it is pinned. Caller holds the lock."""
         seq = segment.seq
         victims: list[tuple[Namespace, bytes, int]] = []
-        for ns in self._namespaces.values():
-            disk = ns.disk
-            if not disk:
+        for ns_id, keys in segment.keys.items():
+            ns = self._namespaces.get(ns_id)
+            if ns is None:
                 continue
-            for key, packed in disk.items():
-                if records.segment_of(packed) == seq:
+            disk = ns.disk
+            for key in keys:
+                packed = disk.get(key)
+                if packed is not None and records.segment_of(packed) == seq:  # not rewritten since
                     group, raw = records.index_address(key)
                     if ns.pinned((group, BlockKey(raw))):
                         return False
@@ -532,7 +547,9 @@ class DiskTier:
                 if segment.dropped and segment.readers == 0:
                     segment.release()
                 if digest is not None:
-                    result: PutResult = ns.insert(mode_id, address, slot, digest, packed)
+                    # A segment dropped while it was read: the value is in memory only again.
+                    on_disk = None if segment.dropped else packed
+                    result: PutResult = ns.insert(mode_id, address, slot, digest, on_disk)
                     if result is STORED:
                         inserted.add(id(ns.entries[address]))
                         self.reads_back += 1
