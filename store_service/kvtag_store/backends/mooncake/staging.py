@@ -136,7 +136,10 @@ class Staging:
             free = shared_memory_room(self._directory)
             if free < self._size:
                 raise OSError(f"it has {free} bytes free and the staging arena needs {self._size}")
-            arena = Arena(tenant, self._size, self._directory, group=self._groups.get(tenant))
+            # Registered with Mooncake (register_buffer): an RDMA registration keeps the pages it
+            # pinned, so free slots keep theirs too (no give-back).
+            group = self._groups.get(tenant)
+            arena = Arena(tenant, self._size, self._directory, group=group, give_back=False)
             holder = ctypes.c_char.from_buffer(arena.view)
             base = ctypes.addressof(holder)
             del holder  # the address stays valid while the arena is mapped
