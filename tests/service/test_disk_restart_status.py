@@ -55,8 +55,11 @@ def test_metrics_and_status_show_the_memory_tier_and_the_prefault(scenario: sc.S
     assert [t["tier"] for t in tiers] == ["memory"]
     assert tiers[0]["used_bytes"] == doc["store"]["store_wide"]["used_bytes"]
     assert doc["store"]["degraded"] == []
+    prefault = doc["store"]["store_wide"]["prefault"]
+    assert prefault["total_bytes"] > 0 and 0 <= prefault["done_bytes"] <= prefault["total_bytes"]
     _, _, page = scenario.fetch("/")
     assert '<table id="tiers">' in page and "tier degraded" not in page
+    assert "<th>prefault</th>" in page
 
 
 def test_a_degraded_disk_tier_is_a_visible_line_on_the_page(scenario: sc.Scenario) -> None:
