@@ -113,6 +113,19 @@ def populate_write(memory: mmap.mmap, start: int, length: int) -> None:
             memory[offset : offset + 1] = zero
 
 
+def on_memory_file_system(fd: int) -> bool:
+    """Whether the open file lives in a tmpfs (or hugetlbfs): there reserving its pages allocates
+    them in memory, zeroed; on a disk file system it only reserves blocks."""
+    device = os.fstat(fd).st_dev
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == wanted and " - " in line:
+                return line.split(" - ", 1)[1].split()[0] in ("tmpfs", "hugetlbfs")
+    return False
+
+
 def shared_memory_room(directory: str) -> int:
     """Bytes still free on the file system of `directory` (a container's /dev/shm is often 64 MiB)."""
     stats = os.statvfs(directory)
@@ -194,6 +207,7 @@ class Arena:
         self.path: str | None = None
         self.segment = "anon-" + secrets.token_hex(6)
         self._fd = -1
+        self._in_memory_file = False
         if directory is not None:
             digest = hashlib.sha256(tenant.encode()).hexdigest()[:12]
             name = f"kvtag-{os.getpid()}-{secrets.token_hex(4)}-{digest}"
@@ -217,6 +231,7 @@ class Arena:
                 raise
             self.path = path
             self.segment = name
+            self._in_memory_file = on_memory_file_system(self._fd)
         else:
             self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self._mmap)
@@ -533,7 +548,11 @@ class Arena:
                     if start is None or failed or self._closed:
                         return
                     self._touching += 1
-                touched = self._reserve_and_touch(start, end)
+                # A tmpfs file's eager pages are only reserved here (allocated and zeroed),
+                # not mapped into this process: that halves the work (1 GiB: 0.30 s against 0.65 s
+                # on one core here), mapping clients map them themselves, and the service's own
+                # first access to a page is a minor fault, not a first touch.
+                touched = self._reserve_and_touch(start, end, map_here=not self._in_memory_file)
                 with self._fault_lock:
                     self._touching -= 1
                     self._untouched.notify_all()
@@ -568,10 +587,11 @@ class Arena:
         if not self._closed:
             pages.publish_faulted(self._mmap, self._faulted)
 
-    def _reserve_and_touch(self, start: int, end: int) -> bool:
-        """Reserve [start, end) of the file and map its pages in this process, with no lock held (both
-        calls release the GIL; a put faulting the same pages meanwhile is harmless). The caller counts
-        itself in `_touching`, so close() waits."""
+    def _reserve_and_touch(self, start: int, end: int, map_here: bool = True) -> bool:
+        """Reserve [start, end) of the file and map its pages in this process (unless `map_here` is
+        False: a file's pages then only exist), with no lock held (both calls release the GIL; a put
+        faulting the same pages meanwhile is harmless). The caller counts itself in `_touching`, so
+        close() waits."""
         if self._fd >= 0:
             try:
                 os.posix_fallocate(self._fd, start, end - start)
@@ -583,7 +603,8 @@ class Arena:
                     exc,
                 )
                 return False
-        populate_write(self._mmap, start, end - start)
+        if map_here:
+            populate_write(self._mmap, start, end - start)
         return True
 
     def wants_prefault(self) -> bool:
