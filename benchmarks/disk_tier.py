@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repository, for tests.*
 
 MiB = 1 << 20
+PUT_REPEATS = 3  # interleaved off/on runs: this host is shared, one run alone says little
 PER_CALL = 16  # blocks per put and per Get, as a connector batches a request's blocks
 
 
@@ -171,7 +173,7 @@ def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
     items = [(0, f"block-{i}".encode(), values[i % 16], b"") for i in range(blocks)]
     capacity = blocks * MiB + (64 * MiB)  # every put fits: the comparison is the writer's cost alone
     puts: dict[str, list[float]] = {"off": [], "on": []}
-    for repeat in range(2):
+    for repeat in range(PUT_REPEATS):
         for mode in ("off", "on"):
             run = root / f"put-{mode}-{repeat}"
             (run / "shm").mkdir(parents=True)
@@ -184,10 +186,11 @@ def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
                     c.put(items[n : n + PER_CALL])
                 puts[mode].append(blocks * MiB / (time.perf_counter() - start) / 1e9)
                 c.close()
-    put_on, put_off = max(puts["on"]), max(puts["off"])
+    median_on, median_off = statistics.median(puts["on"]), statistics.median(puts["off"])
+    best_on, best_off = max(puts["on"]), max(puts["off"])
 
     # Gets: the last "on" run's records, served after a restart with the page cache dropped.
-    run = root / "put-on-1"
+    run = root / f"put-on-{PUT_REPEATS - 1}"
     on_disk = drop_cache(run / "disk")
     sink_buffer = bytearray(MiB)
 
@@ -219,7 +222,8 @@ def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
         "get_vs_read": round(get_gbps / read_gbps, 3),
         "put_GBps_disk_off": [round(x, 3) for x in puts["off"]],
         "put_GBps_disk_on": [round(x, 3) for x in puts["on"]],
-        "put_on_vs_off": round(put_on / put_off, 3),
+        "put_on_vs_off_median": round(median_on / median_off, 3),
+        "put_on_vs_off_best": round(best_on / best_off, 3),
     }
 
 
@@ -319,7 +323,7 @@ def main() -> None:
         ).stdout.split()[-1]
     targets = {
         "get_vs_read >= 0.5": report["get_and_put"]["get_vs_read"] >= 0.5,
-        "put_on_vs_off >= 0.9": report["get_and_put"]["put_on_vs_off"] >= 0.9,
+        "put_on_vs_off (median) >= 0.9": report["get_and_put"]["put_on_vs_off_median"] >= 0.9,
         "rebuild_us_per_record <= 10": report["restart"]["rebuild_us_per_record"] <= 10,
         "first hit <= 2 s": (report["restart"]["first_hit_s_from_process_start"] or 99) <= 2,
         "memory per key <= 200 B": report["restart"]["memory_bytes_per_disk_key"] <= 200,

@@ -80,8 +80,12 @@ def test_blocks_held_on_disk_only_after_a_restart_come_back_byte_exact(served: S
     writer = served.client()
     assert writer.data_path == "shared_memory"
     blocks = [(0, f"block-{i}".encode(), os.urandom(BLOCK), b"") for i in range(24)]  # 6 MiB > 4 MiB memory
+    assert served.backend is not None
+    disk = served.backend.disk_tier()
+    assert disk is not None
     for start in range(0, len(blocks), 4):
         assert writer.put(blocks[start : start + 4]) == [pb.STORED] * 4
+        assert disk.drain()  # paced as the writer goes: a burst past 1/8 of memory may drop spills
     served.stop()
 
     served.start()

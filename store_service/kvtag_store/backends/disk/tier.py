@@ -52,7 +52,9 @@ SEGMENT_BYTES = 64 << 20
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 16 << 20
 _IOV_MAX = 1024
-WRITER_NICE = 10
+# Niced enough that puts and Gets win the CPU on a busy host, not so much that a sustained put load
+# starves it (nice 5 weighs about a third of nice 0 in the kernel's fair scheduler).
+WRITER_NICE = 5
 # A header plus names is read with one pread of this much at start-up (more only for long names).
 _SCAN_READ = 512
 
@@ -247,9 +249,8 @@ class DiskTier:
         return True
 
     def _run(self) -> None:
-        # The writer runs niced: puts and Gets take the CPU first (on a busy host the copy into the page
-        # cache is what a disk write costs), and the writer catches up in their gaps; the bounded
-        # spill queue is what a long burst can overrun.
+        # The writer runs niced: puts and Gets get the CPU first (on a busy host the copy into the page
+        # cache is what a disk write costs); the bounded spill queue is what a long burst can overrun.
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
