@@ -24,7 +24,7 @@ from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_chann
 
 from kvtag_store.app import terminal
 from kvtag_store.app.server import start_server
-from kvtag_store.backends.base import BlockBackend, CensusStore
+from kvtag_store.backends.base import BackendStats, BlockBackend, CensusStore
 from kvtag_store.backends.disk.errors import DiskDirError
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.backends.mooncake import options as mooncake_options
@@ -170,6 +170,18 @@ def _build_backend(args: argparse.Namespace, security: options.Security) -> tupl
     return backend, census
 
 
+def _disk_fields(stats: BackendStats) -> dict[str, object]:
+    """The serving line's disk tier: what a restart found (keys, bytes) and its capacity."""
+    for tier in stats.tiers:
+        if tier.tier == "disk":
+            return {
+                "disk_keys": tier.keys,
+                "disk_used_bytes": tier.used_bytes,
+                "disk_capacity_bytes": tier.capacity_bytes,
+            }
+    return {}
+
+
 def _disk_flags_error(args: argparse.Namespace) -> str | None:
     """Why the disk flags cannot apply, checked before anything starts."""
     if args.backend == "mooncake" and (args.disk_dir or args.disk_capacity):
@@ -258,6 +270,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "tls": "off" if security.tls is None else ("mutual" if security.tls.mutual else "on"),
             "tokens": len(security.tokens) if security.tokens.enabled else "off",
             "pid": os.getpid(),
+            **_disk_fields(stats),
         },
     )
     while not stop.wait(1.0):
