@@ -21,7 +21,9 @@ Run as part of bench_mooncake.py (the `topology` key of its results), or alone:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -39,13 +41,17 @@ KiB = 1024
 MiB = 1024 * KiB
 GB = 1e9
 LOOKUP_KEYS = 4096
+KINDS = ("raw", "raw_zero_copy", "kvtag")
 
 
 @dataclass(frozen=True)
 class Load:
     """One worker's part of a phase."""
 
-    kind: str  # "kvtag" (StoreClient over a replica) or "raw" (MooncakeDistributedStore)
+    # "kvtag" (StoreClient over a replica), "raw" (MooncakeDistributedStore's put_batch/get_batch,
+    # which copy through its local buffer) or "raw_zero_copy" (its batch_put_from/get_into of
+    # registered memory, what kvtag's shared-memory path calls).
+    kind: str
     target: str  # replica gRPC address, or the cluster's master address
     metrics: str
     value_bytes: int
@@ -112,13 +118,41 @@ def worker(load: Load) -> None:
         raw_keys = [f"raw/{k.decode()}" for k in keys]
         stored: list[str] = []
 
-        def put(b: list[int]) -> None:
-            rc = raw.put_batch([raw_keys[i] for i in b], [values[i % 8] for i in b])
-            assert rc == 0, rc
+        size = load.value_bytes
+        if load.kind == "raw":  # Mooncake's copying calls, as bench_mooncake's raw column
 
-        def get(b: list[int]) -> None:
-            for i, v in zip(b, raw.get_batch([raw_keys[i] for i in b]), strict=True):
-                got[i] = v
+            def put(b: list[int]) -> None:
+                rc = raw.put_batch([raw_keys[i] for i in b], [values[i % 8] for i in b])
+                assert rc == 0, rc
+
+            def get(b: list[int]) -> None:
+                for i, v in zip(b, raw.get_batch([raw_keys[i] for i in b]), strict=True):
+                    got[i] = v
+
+        else:  # "raw_zero_copy": from and into registered memory, as kvtag's shared-memory path does
+            source, target = mmap.mmap(-1, load.blocks * size), mmap.mmap(-1, load.blocks * size)
+            bases = []
+            for area in (source, target):
+                base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+                assert raw.register_buffer(base, load.blocks * size) == 0, "register_buffer failed"
+                bases.append(base)
+            zeros = bytes(size)
+            for i in range(load.blocks):  # both resident before the clock starts, like an engine's KV cache
+                source[i * size : (i + 1) * size] = values[i % 8]
+                target[i * size : (i + 1) * size] = zeros
+
+            def put(b: list[int]) -> None:
+                codes = raw.batch_put_from_multi_buffers(
+                    [raw_keys[i] for i in b], [[bases[0] + i * size] for i in b], [[size] for _ in b]
+                )
+                assert all(c == 0 for c in codes), codes
+
+            def get(b: list[int]) -> None:
+                codes = raw.batch_get_into_multi_buffers(
+                    [raw_keys[i] for i in b], [[bases[1] + i * size] for i in b], [[size] for _ in b]
+                )
+                for i, code in zip(b, codes, strict=True):
+                    got[i] = memoryview(target)[i * size : (i + 1) * size] if code == size else None
 
         def close() -> None:
             raw.batch_remove(raw_keys, True)
@@ -154,7 +188,7 @@ def worker(load: Load) -> None:
 # --- the parent ----------------------------------------------------------------------------------
 
 
-def _phase(loads: list[Load]) -> dict[str, Any]:
+def _phase(loads: list[Load], workdir: Path) -> dict[str, Any]:
     """Run one worker process per load, together; aggregate figures of the phase."""
     env = dict(os.environ)
     env.setdefault("GLOG_minloglevel", "2")
@@ -163,6 +197,7 @@ def _phase(loads: list[Load]) -> dict[str, Any]:
             [sys.executable, __file__, "--worker", json.dumps(load.__dict__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=(workdir / f"worker-{load.kind}-{load.seed}.log").open("ab"),
             text=True,
             env=env,
         )
@@ -170,10 +205,14 @@ def _phase(loads: list[Load]) -> dict[str, Any]:
     ]
     try:
         for step in ("READY", "PUT"):
-            for p in procs:
+            for p, load in zip(procs, loads, strict=True):
                 line = p.stdout.readline().strip() if p.stdout else ""
                 if line != step:
-                    raise RuntimeError(f"a {loads[0].kind} worker said {line!r}, not {step} (rc {p.poll()})")
+                    log = workdir / f"worker-{load.kind}-{load.seed}.log"
+                    tail = log.read_text(errors="replace")[-1500:]
+                    raise RuntimeError(
+                        f"a {load.kind} worker said {line!r}, not {step} (rc {p.poll()}):\n{tail}"
+                    )
             for p in procs:
                 assert p.stdin is not None
                 p.stdin.write("GO\n")
@@ -280,6 +319,7 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
     raw: Any = None
     loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
     phases: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    retried: list[str] = []
     started = time.monotonic()
     try:
         cluster.start_master()
@@ -296,7 +336,7 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
         )
         for repeat in range(repeats):
             for n in (1, 2, 3):
-                for kind in ("raw", "kvtag") if repeat % 2 == 0 else ("kvtag", "raw"):
+                for kind in KINDS if repeat % 2 == 0 else KINDS[::-1]:
                     loads = [
                         Load(
                             kind,
@@ -309,7 +349,12 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
                         )
                         for i in range(n)
                     ]
-                    result = _phase(loads)
+                    try:
+                        result = _phase(loads, workdir)
+                    except RuntimeError as exc:  # a worker that failed to start (logged, counted)
+                        print(f"retrying the {kind} x{n} phase once: {exc}", file=sys.stderr)
+                        retried.append(f"{kind} x{n}: {str(exc)[:300]}")
+                        result = _phase(loads, workdir)
                     assert result["wrong_or_missing"] == 0, f"{kind} x{n}: {result['wrong_or_missing']} bad"
                     stored = result.pop("stored")
                     phases.setdefault(str(n), {}).setdefault(kind, []).append(result)
@@ -329,9 +374,10 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
     for n, kinds in phases.items():
         row: dict[str, Any] = {}
         for op in ("put", "get"):
-            for kind in ("raw", "kvtag"):
+            for kind in KINDS:
                 row[f"{kind}_{op}_gbps"] = statistics.median(r[f"{op}_gbps"] for r in kinds[kind])
             row[f"ratio_{op}"] = row[f"kvtag_{op}_gbps"] / row[f"raw_{op}_gbps"]
+            row[f"ratio_zero_copy_{op}"] = row[f"kvtag_{op}_gbps"] / row[f"raw_zero_copy_{op}_gbps"]
         summary[n] = row
     return {
         "value_bytes": value_bytes,
@@ -342,6 +388,7 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
         "aggregate": summary,
         "phases": phases,
         "cross_replica_lookup": lookup,
+        "retried_phases": retried,
         "loadavg": loadavg,
         "seconds": time.monotonic() - started,
     }
@@ -349,16 +396,18 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
 
 def table(topology: dict[str, Any]) -> str:
     size, volume = topology["value_bytes"] // MiB, topology["bytes_per_worker"] // MiB
-    head = ("loads", "raw put", "kvtag put", "ratio", "raw get", "kvtag get", "ratio")
+    head = ("loads", "raw", "raw 0-copy", "kvtag", "kvtag/raw", "kvtag/0cp")
     lines = [
         f"Fleet topology: {size} MiB values, {volume} MiB per load, median of {topology['repeats']}; "
-        "aggregate GB/s (kvtag = StoreClient, shared memory)",
-        " ".join(f"{h:>9}" for h in head),
+        "aggregate GB/s (kvtag = StoreClient, shared memory; raw = put_batch/get_batch, "
+        "0-copy = batch_put_from/get_into registered memory)",
+        "      " + " ".join(f"{h:>10}" for h in head),
     ]
     for n, row in topology["aggregate"].items():
-        columns = [(f"raw_{op}_gbps", f"kvtag_{op}_gbps", f"ratio_{op}") for op in ("put", "get")]
-        figures = [row[k] for group in columns for k in group]
-        lines.append(f"{n:>9} " + " ".join(f"{x:9.2f}" for x in figures))
+        for op in ("put", "get"):
+            keys = (f"raw_{op}_gbps", f"raw_zero_copy_{op}_gbps", f"kvtag_{op}_gbps")
+            figures = [row[k] for k in keys] + [row[f"ratio_{op}"], row[f"ratio_zero_copy_{op}"]]
+            lines.append(f"{op:>5} {n:>10} " + " ".join(f"{x:10.2f}" for x in figures))
     xr = topology["cross_replica_lookup"]
     p50 = xr["p50_ms"]
     lines.append(
