@@ -4,8 +4,9 @@ Two phases, each against a fresh `kvtag-store serve` process (RSS read from /pro
 
 1. fuzz: RPCS seeded calls, one at a time, well-formed and malformed: sessions opened in new and
    old namespaces, tenants and modes (many abandoned), puts, lookups, gets, heartbeats, closes,
-   Diagnose and GetStats pages, and bytes that parse as nothing. RSS is sampled along the way;
-   the plateau figure is the growth over the second half of the run.
+   Diagnose and GetStats pages, and bytes that parse as nothing. RSS is sampled along the way, with
+   its parts (anonymous heap, arena files in the tmpfs); the plateau figure is the growth over the
+   second half of the run (100,000 RPCs by default, ~3 min).
 2. abandon: ABANDON sessions opened in distinct namespaces (half closed, the rest left to
    expire), then RSS and the time of Diagnose's first page at that many namespaces, and RSS once
    the retention window has passed.
@@ -44,6 +45,24 @@ def rss_mib(pid: int) -> tuple[float, float]:
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
     )
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def memory_parts(pid: int, shm_dir: str = "/dev/shm") -> dict[str, float]:
+    """Where the memory is, in MiB: the process's anonymous pages (the interpreter's heap, gRPC's),
+    its mapped shared-memory pages, and the bytes its arena files hold in the tmpfs. The files can
+    hold more than is mapped: the up-front prefault reserves pages without mapping them, and they
+    count against the machine all the same, so the memory figure is anon + files."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    files = sum(p.stat().st_blocks * 512 for p in Path(shm_dir).glob(f"kvtag-{pid}-*"))
+    anon = int(fields["RssAnon"].split()[0]) / 1024
+    return {
+        "anon_mib": round(anon, 1),
+        "shmem_mapped_mib": round(int(fields["RssShmem"].split()[0]) / 1024, 1),
+        "arena_files_mib": round(files / MiB, 1),
+        "memory_mib": round(anon + files / MiB, 1),
+    }
 
 
 class Server:
@@ -87,6 +106,9 @@ class Server:
     def rss(self) -> tuple[float, float]:
         return rss_mib(self.proc.pid)
 
+    def parts(self) -> dict[str, float]:
+        return memory_parts(self.proc.pid)
+
     def stop(self) -> None:
         self.channel.close()
         self.proc.send_signal(signal.SIGTERM)
@@ -99,6 +121,7 @@ def fuzz(server: Server, rpcs: int, seed: int, sample_every: int) -> dict[str, A
     keys: list[bytes] = []
     outcomes: dict[str, int] = {}
     curve = [(0, *server.rss())]
+    parts = [server.parts()]
     started = time.monotonic()
     for n in range(1, rpcs + 1):
         roll = rng.random()
@@ -176,14 +199,19 @@ def fuzz(server: Server, rpcs: int, seed: int, sample_every: int) -> dict[str, A
             outcomes[code] = outcomes.get(code, 0) + 1
         if n % sample_every == 0:
             curve.append((n, *server.rss()))
+            parts.append(server.parts())
     half = next(rss for at, rss, _ in curve if at >= rpcs // 2)
     end = curve[-1][1]
+    memory = [(at, part["memory_mib"], 0.0) for (at, _, _), part in zip(curve, parts, strict=True)]
     return {
         "rpcs": rpcs,
         "seed": seed,
         "seconds": round(time.monotonic() - started, 1),
         "outcomes": outcomes,
-        "curve": [{"rpcs": at, "rss_mib": round(rss, 1), "hwm_mib": round(hwm, 1)} for at, rss, hwm in curve],
+        "curve": [
+            {"rpcs": at, "rss_mib": round(rss, 1), "hwm_mib": round(hwm, 1), **part}
+            for (at, rss, hwm), part in zip(curve, parts, strict=True)
+        ],
         "rss_at_half_mib": round(half, 1),
         "rss_at_end_mib": round(end, 1),
         "second_half_growth": round(end / half - 1, 4),
@@ -193,6 +221,25 @@ def fuzz(server: Server, rpcs: int, seed: int, sample_every: int) -> dict[str, A
         "second_quarter_median_mib": round(quarter(curve, rpcs, 1), 1),
         "last_quarter_median_mib": round(quarter(curve, rpcs, 3), 1),
         "last_half_growth_of_medians": round(quarter(curve, rpcs, 3) / quarter(curve, rpcs, 1) - 1, 4),
+        # The same over anon + arena files (what the machine gives the store, mapped or not), and
+        # its parts: the interpreter's and gRPC's heap apart from the arenas.
+        "last_half_growth_of_medians_memory": round(
+            quarter(memory, rpcs, 3) / quarter(memory, rpcs, 1) - 1, 4
+        ),
+        "last_half_growth_of_medians_anon": round(
+            part_quarter(curve, parts, rpcs, 3, "anon_mib") / part_quarter(curve, parts, rpcs, 1, "anon_mib")
+            - 1,
+            4,
+        ),
+        "last_half_growth_of_medians_arena_files": round(
+            part_quarter(curve, parts, rpcs, 3, "arena_files_mib")
+            / part_quarter(curve, parts, rpcs, 1, "arena_files_mib")
+            - 1,
+            4,
+        ),
+        "peak_memory_mib": round(max(part["memory_mib"] for part in parts), 1),
+        # The issue's target: the last half adds < 2% (medians of the second and last quarters).
+        "plateau_met": quarter(memory, rpcs, 3) / quarter(memory, rpcs, 1) - 1 < 0.02,
         "last_half_growth_of_maxima": round(
             max(r for at, r, _ in curve if at > rpcs // 2)
             / max(r for at, r, _ in curve if 0 < at <= rpcs // 2)
@@ -208,6 +255,16 @@ def quarter(curve: list[tuple[int, float, float]], rpcs: int, index: int) -> flo
     return statistics.median(rss for at, rss, _ in curve if low < at <= high)
 
 
+def part_quarter(
+    curve: list[tuple[int, float, float]], parts: list[dict[str, float]], rpcs: int, index: int, name: str
+) -> float:
+    """The median of one memory part sampled in the index-th quarter of the run (0-based)."""
+    low, high = rpcs * index // 4, rpcs * (index + 1) // 4
+    return statistics.median(
+        part[name] for (at, _, _), part in zip(curve, parts, strict=True) if low < at <= high
+    )
+
+
 def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
     cold = server.rss()[0]
     # The pre-run figure is the warmed store's: the first session creates the shared pool's arena,
@@ -221,6 +278,7 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
     server.stub.CloseSession(pb.CloseSessionRequest(session_id=warm.session_id), timeout=10)
     time.sleep(5)
     before = server.rss()[0]
+    before_parts = server.parts()
     started = time.monotonic()
     for i in range(count):
         opened = server.stub.OpenSession(
@@ -233,6 +291,7 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
             server.stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
     opened_s = time.monotonic() - started
     full = server.rss()[0]
+    full_parts = server.parts()
     timings = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -251,6 +310,7 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
     # Sessions expire, the window passes, and the next sweep (every quarter window, at most 30 s) runs.
     time.sleep(retention_s + min(30.0, retention_s / 4) + 5)
     after = server.rss()[0]
+    after_parts = server.parts()
     listed = server.stub.Diagnose(pb.DiagnoseRequest(), timeout=60).total_namespaces
     return {
         "namespaces": count,
@@ -260,6 +320,10 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
         "rss_with_namespaces_mib": round(full, 1),
         "rss_after_retention_mib": round(after, 1),
         "after_vs_before": round(after / before - 1, 4),
+        "parts_before": before_parts,
+        "parts_with_namespaces": full_parts,
+        "parts_after_retention": after_parts,
+        "memory_after_vs_before": round(after_parts["memory_mib"] / before_parts["memory_mib"] - 1, 4),
         "namespaces_listed_after": listed,
         "diagnose_first_page_ms": {
             "median": round(statistics.median(timings), 1),
@@ -274,7 +338,7 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rpcs", type=int, default=30_000)
+    parser.add_argument("--rpcs", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--abandon", type=int, default=20_000)
@@ -294,7 +358,13 @@ def main() -> int:
         "--census-retention",
         args.census_retention,
     ]
-    result: dict[str, Any] = {"documented_flags": documented}
+    result: dict[str, Any] = {
+        "documented_flags": documented,
+        "commit": subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "load_average_at_start": Path("/proc/loadavg").read_text().split()[:3],
+    }
     if args.rpcs:
         server = Server(documented)
         try:
@@ -322,6 +392,7 @@ def main() -> int:
         finally:
             server.stop()
         print(json.dumps(result["abandon"], indent=1))
+    result["load_average_at_end"] = Path("/proc/loadavg").read_text().split()[:3]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
