@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))  # the repository, for tests.*
 
 MiB = 1 << 20
 PUT_REPEATS = 3  # interleaved off/on runs: this host is shared, one run alone says little
+GET_REPEATS = 3
 PER_CALL = 16  # blocks per put and per Get, as a connector batches a request's blocks
 
 
@@ -198,28 +199,31 @@ def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
         sink_buffer[: len(slot)] = slot
         return True
 
-    with server(run, 128 * MiB, disk=True) as info:
-        c = client(info["address"])
-        assert c.open()
-        time.sleep(1.0)
+    gets: list[float] = []
+    reads: list[float] = []
+    for _ in range(GET_REPEATS):  # a Get run and a read run in turn: load from other processes hits both
+        with server(run, 128 * MiB, disk=True) as info:
+            c = client(info["address"])
+            assert c.open()
+            time.sleep(1.0)
+            drop_cache(run / "disk")
+            start = time.perf_counter()
+            served = 0
+            for n in range(0, blocks, PER_CALL):
+                served += sum(c.get_into([(g, k) for g, k, _, _ in items[n : n + PER_CALL]], (), sink))
+            gets.append(blocks * MiB / (time.perf_counter() - start) / 1e9)
+            c.close()
+        assert served == blocks, f"only {served} of {blocks} disk-resident blocks were served"
         drop_cache(run / "disk")
-        start = time.perf_counter()
-        served = 0
-        for n in range(0, blocks, PER_CALL):
-            served += sum(c.get_into([(g, k) for g, k, _, _ in items[n : n + PER_CALL]], (), sink))
-        get_s = time.perf_counter() - start
-        c.close()
-    assert served == blocks, f"only {served} of {blocks} disk-resident blocks were served"
-    drop_cache(run / "disk")
-    read_bytes, read_s = sequential_read(run / "disk")
-    get_gbps = blocks * MiB / get_s / 1e9
-    read_gbps = read_bytes / read_s / 1e9
+        read_bytes, read_s = sequential_read(run / "disk")
+        reads.append(read_bytes / read_s / 1e9)
+    ratios = [g / r for g, r in zip(gets, reads, strict=True)]
     return {
         "blocks": blocks,
         "bytes_on_disk": on_disk,
-        "get_disk_resident_GBps": round(get_gbps, 3),
-        "sequential_read_GBps": round(read_gbps, 3),
-        "get_vs_read": round(get_gbps / read_gbps, 3),
+        "get_disk_resident_GBps": [round(x, 3) for x in gets],
+        "sequential_read_GBps": [round(x, 3) for x in reads],
+        "get_vs_read_median": round(statistics.median(ratios), 3),
         "put_GBps_disk_off": [round(x, 3) for x in puts["off"]],
         "put_GBps_disk_on": [round(x, 3) for x in puts["on"]],
         "put_on_vs_off_median": round(median_on / median_off, 3),
@@ -322,7 +326,7 @@ def main() -> None:
             ["df", "--output=fstype", "/var/tmp"], capture_output=True, text=True, check=False
         ).stdout.split()[-1]
     targets = {
-        "get_vs_read >= 0.5": report["get_and_put"]["get_vs_read"] >= 0.5,
+        "get_vs_read (median) >= 0.5": report["get_and_put"]["get_vs_read_median"] >= 0.5,
         "put_on_vs_off (median) >= 0.9": report["get_and_put"]["put_on_vs_off_median"] >= 0.9,
         "rebuild_us_per_record <= 10": report["restart"]["rebuild_us_per_record"] <= 10,
         "first hit <= 2 s": (report["restart"]["first_hit_s_from_process_start"] or 99) <= 2,

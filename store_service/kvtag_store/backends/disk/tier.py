@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtag_store.backends.arena import Slot
@@ -55,6 +56,8 @@ _IOV_MAX = 1024
 # Niced enough that puts and Gets win the CPU on a busy host, not so much that a sustained put load
 # starves it (nice 5 weighs about a third of nice 0 in the kernel's fair scheduler).
 WRITER_NICE = 5
+# Records of one Get read back side by side (the device sees a queue; hashing overlaps reading).
+READ_THREADS = 4
 # A header plus names is read with one pread of this much at start-up (more only for long names).
 _SCAN_READ = 512
 
@@ -133,6 +136,8 @@ class DiskTier:
         self._wakeup = threading.Event()
         self._stopping = False
         self._busy = False
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._writer = threading.Thread(target=self._run, name="kvtag-disk-writer", daemon=True)
         self._writer.start()
 
@@ -520,27 +525,25 @@ class DiskTier:
                 return inserted
             ns.writers += 1
             arena = ns.arena
-        outcomes: list[int | None] = []  # the value's digest, or None when it failed
-        failure: tuple[str, OSError] | None = None
-        if len(jobs) > 1:  # every record's read under way at once: the device sees a queue, not one
-            for _, _, _, where, segment, _ in jobs:
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(
-                        segment.fd, where.offset, where.meta + where.value_length, os.POSIX_FADV_WILLNEED
-                    )
-        for address, _, _, where, segment, slot in jobs:
-            if failure is not None:
-                outcomes.append(None)
-                continue
+        failures: list[tuple[str, OSError]] = []
+
+        def read(job: tuple[BlockAddress, bytes, int, records.Location, Segment, Slot]) -> int | None:
+            """The value's digest once read into its slot and verified, None when it failed. preadv
+            and xxh3 release the GIL: a Get's records are read and checked side by side."""
+            address, _, _, where, segment, slot = job
+            if failures:
+                return None
             meta = bytearray(where.meta)
             view = arena.view[slot.offset : slot.offset + slot.length]
             try:
                 got = os.preadv(segment.fd, [meta, view], where.offset)
             except OSError as exc:
-                failure = (segment.path, exc)
-                outcomes.append(None)
-                continue
-            outcomes.append(_verified(meta, view, got, namespace_id, mode_id, address, where))
+                failures.append((segment.path, exc))
+                return None
+            return _verified(meta, view, got, namespace_id, mode_id, address, where)
+
+        outcomes = list(self._readers().map(read, jobs)) if len(jobs) > 1 else [read(jobs[0])]
+        failure = failures[0] if failures else None
         with self._lock:
             ns.writers -= 1
             for (address, key, packed, _, segment, slot), digest in zip(jobs, outcomes, strict=True):
@@ -569,6 +572,13 @@ class DiskTier:
         if failure is not None:
             self._degrade("read", *failure)
         return inserted
+
+    def _readers(self) -> ThreadPoolExecutor:
+        """The threads a Get's read-backs run on, started at the first Get that needs them."""
+        with self._pool_lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtag-disk-read")
+            return self._read_pool
 
     # -- faults, reports, close --------------------------------------------------
 
@@ -622,6 +632,8 @@ class DiskTier:
         self._stopping = True
         self._wakeup.set()
         self._writer.join()
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
