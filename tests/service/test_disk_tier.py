@@ -4,6 +4,7 @@ turns the tier off while the store keeps serving from memory."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import stat
@@ -488,3 +489,31 @@ def test_concurrent_puts_gets_and_lookups_never_serve_wrong_bytes(
         row,
         tier(backend).spill_dropped,
     )
+
+
+def test_an_io_error_reading_the_tier_turns_it_off_and_memory_still_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = tmp_path / "disk"
+    first = open_backend(disk)
+    first.put_many(NS, MODE, [(address(1), b"on disk")])
+    first.close()
+    again = open_backend(disk)
+    try:
+        again.put_many(NS, MODE, [(address(2), b"in memory")])
+
+        def failing_read(*_: object) -> int:  # the injected fault: a disk that fails reads
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "preadv", failing_read)
+        (result,) = again.get(NS, MODE, [address(1)])
+        monkeypatch.undo()
+        assert result.status == MISS and result.value is None
+        row = disk_row(again)
+        assert row.degraded and row.failures == 1 and "Input/output error" in row.degraded_reason
+        assert row.corrupted_dropped == 0  # a failing disk is not a damaged record
+        assert len([r for r in caplog.records if "disk tier turned off" in r.getMessage()]) == 1
+        assert again.lookup(NS, MODE, [address(1), address(2)]) == [MISS, HIT]
+        assert bytes(again.get(NS, MODE, [address(2)])[0].value or b"") == b"in memory"
+    finally:
+        again.close()

@@ -161,9 +161,10 @@ class DiskTier:
             pool: Pool | None = None
             held: dict[str, list[bytes]] = {}
             pread = os.pread
+            unreadable: OSError | None = None
             while offset < size:
-                buffer = pread(fd, _SCAN_READ, offset)
                 try:
+                    buffer = pread(fd, _SCAN_READ, offset)
                     try:
                         record = decode_meta(buffer)
                     except ShortBuffer as short:
@@ -171,6 +172,9 @@ class DiskTier:
                             break
                         record = decode_meta(pread(fd, short.length, offset))
                 except (TornRecord, ShortBuffer):
+                    break
+                except OSError as exc:  # not torn, unreadable: keep the file, serve what was found
+                    unreadable = exc
                     break
                 end = offset + record.meta_length + record.value_length
                 if end > size:
@@ -198,7 +202,16 @@ class DiskTier:
                     pool = ns.pool
                 self.rebuilt_records += 1
                 offset = end
-            if offset < size:
+            if unreadable is not None:
+                log.warning(
+                    "disk tier: cannot read segment %s past byte %d (%s); its later records are not served",
+                    path,
+                    offset,
+                    unreadable.strerror,
+                )
+                self.failures += 1
+                offset = size  # counted as used; the file is left as it is
+            elif offset < size:
                 self.corrupted += 1
                 log.warning(
                     "disk tier: segment %s has a torn or damaged record at byte %d; truncated there",
