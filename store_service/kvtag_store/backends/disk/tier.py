@@ -518,8 +518,12 @@ class DiskTier:
                 return inserted
             jobs: list[tuple[BlockAddress, bytes, int, records.Location, Segment, Slot]] = []
             entries, disk, segments = ns.entries, ns.disk, self._segments
+            lru, ns_id = ns.pool.lru, ns.namespace_id
             for address in addresses:
-                if address in entries:
+                held = entries.get(address)
+                if held is not None:  # this Get's memory hits: the last the read-backs evict
+                    if held.mode_id == mode_id:
+                        lru.move_to_end((ns_id, address))
                     continue
                 key = index_key(address[0], address[1])
                 packed = disk.get(key)
