@@ -4,7 +4,9 @@ Mooncake clients, in one run.
 Each replica gets its own load: a separate process with a StoreClient on the shared-memory path, as an
 engine on that replica's host calls it (put, then get of the same 1 MiB values). Beside them, in the
 same run and interleaved per repeat, as many separate processes each drive a plain
-MooncakeDistributedStore (put_batch, get_batch) with the same values and batches. The loads of one
+MooncakeDistributedStore with the same values and batches, two ways: put_batch/get_batch (copying
+through its local buffer, the raw column of bench_mooncake) and batch_put_from/get_into of registered,
+resident memory (zero-copy, the calls kvtag's shared-memory path makes). The loads of one
 phase start together (a barrier through each worker's stdin) so aggregate GB/s = all bytes moved /
 (last worker's end - first worker's start). Separate processes, because in one process the loads
 would share one GIL, which neither engines on separate hosts nor raw clients do.
