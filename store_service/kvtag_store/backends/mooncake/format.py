@@ -10,6 +10,7 @@ Pure Python, importable without the Mooncake wheel, so the format is unit-tested
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import zlib
@@ -93,8 +94,10 @@ def key_digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=16).digest()
 
 
+@functools.lru_cache(maxsize=1024)
 def namespace_digest(namespace_id: str) -> bytes:
-    """Binds a value to its namespace whatever the id's length."""
+    """Binds a value to its namespace whatever the id's length (cached: every header of a batch,
+    written or checked, asks for the same one)."""
     return hashlib.blake2b(namespace_id.encode(), digest_size=16, person=b"kvtag-ns").digest()
 
 
