@@ -4,7 +4,7 @@ DIR/kvtag-disk.lock   flock'ed by the store that uses DIR, its pid inside (a sec
 DIR/format            "kvtag-disk <version>"; an unknown version refuses rather than guess
 DIR/tenants/<name>/   <seq:012d>.seg append-only segment files of one tenant; `shared` holds the
                       namespaces no session named a tenant for (no tenant name maps to it: tenant
-                      names map to t-<name> or x-<hex>)
+                      names map to t-<name>, x-<hex> or, when long, h-<sha256>)
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import re
 
@@ -29,7 +30,10 @@ def tenant_dir_name(tenant: str | None) -> str:
         return SHARED_DIR
     if _PLAIN_TENANT.fullmatch(tenant):
         return "t-" + tenant
-    return "x-" + tenant.encode().hex()
+    encoded = tenant.encode().hex()
+    if len(encoded) <= 128:
+        return "x-" + encoded
+    return "h-" + hashlib.sha256(tenant.encode()).hexdigest()  # within the file system's name limit
 
 
 def segment_name(seq: int) -> str:

@@ -129,8 +129,12 @@ class DiskTier:
         self.rebuild_seconds = 0.0
         self.rebuilt_records = 0
         start = time.perf_counter()
-        with lock:
-            self._rebuild(namespace)
+        try:
+            with lock:
+                self._rebuild(namespace)
+        except BaseException:
+            self.dir.release()  # a store that failed to start must not keep the directory locked
+            raise
         self.rebuild_seconds = time.perf_counter() - start
         self._next_seq = max(self._segments, default=0) + 1
         self._wakeup = threading.Event()
