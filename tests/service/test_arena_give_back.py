@@ -70,7 +70,6 @@ def test_freeing_the_top_slots_lowers_the_bump_pointer_and_gives_pages_beyond_th
 def test_slots_free_for_a_while_give_their_pages_back_and_are_backed_again_when_handed_out() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
         arena = Arena("t", 64 * EXTENT, directory)
-        arena.give_back_age_s = 0.05
         try:
             slots: list[Slot] = []
             for n in range(12):
@@ -80,12 +79,17 @@ def test_slots_free_for_a_while_give_their_pages_back_and_are_backed_again_when_
                 slots.append(slot)
             wait_until(lambda: arena.faulted_bytes >= arena._top + 8 * EXTENT, 10, "the prefault window")
             before = file_bytes(arena)
-            freed = slots[2:10:2]  # every other slot, none at the top: 2 MiB, the batch
+            freed = [*slots[2:10:2], slots[1]]  # none at the top
+            now = time.monotonic()
+            arena.release_idle(now)  # a period starts: these slots are free from its start
             for slot in freed:
                 arena.free(slot)
-            time.sleep(0.1)
-            arena.free(slots[1])  # the next free finds the batch old enough
-            assert arena.given_back_bytes >= 4 * (512 << 10) - 4 * 2 * PAGE
+            arena.release_idle(now + 0.5)  # not yet a period (1 s) on: nothing goes
+            assert arena.given_back_bytes == 0, "a slot free for less than a period keeps its pages"
+            arena.release_idle(now + 1.0)  # they were freed in the period before: still held
+            assert arena.given_back_bytes == 0
+            arena.release_idle(now + 2.0)  # free a whole period since: given back
+            assert arena.given_back_bytes >= 5 * (512 << 10) - 5 * 2 * PAGE
             assert file_bytes(arena) <= before - (1 << 20)
             for slot in freed:
                 assert arena.generation(slot.offset) == 0, "a given-back slot's generation must read 0"

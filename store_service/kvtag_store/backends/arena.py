@@ -67,11 +67,12 @@ PREFAULT_WINDOW = 64 << 20
 # zeroing is per-core work, so one thread leaves the other cores idle.
 PREFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
 PREFAULT_CHUNK = 32 << 20
-# Free slots' pages are released in batches of at least this many bytes, and only those free for this
-# long: an eviction frees slots that the same put takes again at once, and giving those pages back
-# would cost that put a first touch of each (docs/benchmarks.md).
-GIVE_BACK_BATCH = 2 << 20
+# Free slots' pages are released only once they have stayed free for one to two periods of this
+# length, all such slots of an arena at once: an eviction frees slots that the same put takes again
+# at once, and giving those pages back would cost that put a first touch of each
+# (docs/benchmarks.md). The clock is read once every FREES_PER_CHECK frees, not per free.
 GIVE_BACK_AGE_S = 1.0
+FREES_PER_CHECK = 64
 PAGE = mmap.PAGESIZE
 # Bytes at a slot's start zeroed before its pages go: the header's generation word and the value's
 # first bytes (a Mooncake staging slot keeps its own generation word there), so a reader still copying
@@ -259,8 +260,12 @@ class Arena:
         # slots whose pages were given back (reserved and touched again when handed out).
         self._give_back = give_back
         self._floor = self._eager  # pages below it are never given back
-        self._idle: dict[int, tuple[int, float]] = {}
-        self._idle_bytes = 0
+        # Two generations, start -> span: freed in the current period, and in the one before (given
+        # back when the current one ends, if still free).
+        self._idle: dict[int, int] = {}
+        self._idle_old: dict[int, int] = {}
+        self._frees = 0
+        self._period_ends = 0.0  # the first check starts the first period
         self._given_back: set[int] = set()
         self.give_back_age_s = GIVE_BACK_AGE_S
         self.given_back_bytes = 0  # released over the arena's life (a figure for tests and soaks)
@@ -332,15 +337,18 @@ class Arena:
                 self._forget(start, start + span)
             self._lower_top(start)
             return
-        self._free.setdefault(span, {})[start] = None
+        starts = self._free.get(span)
+        if starts is None:
+            starts = self._free[span] = {}
+        starts[start] = None
         self._free_ends[start + span] = start
         self._free_bytes += span
-        if self._give_back and span >= PAGE and start + span > self._floor:
-            now = time.monotonic()
-            self._idle[start] = (span, now)
-            self._idle_bytes += span
-            if self._idle_bytes >= GIVE_BACK_BATCH:
-                self._release_idle(now - self.give_back_age_s)
+        if self._give_back:
+            if span >= PAGE and start + span > self._floor:
+                self._idle[start] = span
+            self._frees += 1
+            if not self._frees % FREES_PER_CHECK:
+                self.release_idle()
 
     def _unfree(self, start: int, span: int) -> bool:
         """Take a free slot out of the free tables; True when its pages were given back."""
@@ -350,8 +358,7 @@ class Arena:
             del self._free[span]
         del self._free_ends[start + span]
         self._free_bytes -= span
-        if self._idle.pop(start, None) is not None:
-            self._idle_bytes -= span
+        if self._idle.pop(start, None) is not None or self._idle_old.pop(start, None) is not None:
             return False
         if start in self._given_back:
             self._given_back.discard(start)
@@ -390,24 +397,22 @@ class Arena:
         if self._faulted < top + self._window // 2:
             PREFAULTER.kick()
 
-    def _release_idle(self, freed_before: float) -> None:
-        """Give back the pages of free slots freed before `freed_before`, adjacent ones merged so the
-        pages they share go too. Runs under the backend's lock, in batches (GIVE_BACK_BATCH)."""
-        old: list[tuple[int, int]] = []
-        for start, (span, when) in self._idle.items():
-            if when > freed_before:
-                break
-            old.append((start, start + span))
+    def release_idle(self, now: float | None = None) -> None:
+        """At the end of a period, give back the pages of the slots free since the one before, adjacent
+        ones merged so the pages they share go too. Runs under the backend's lock (free() calls it
+        every FREES_PER_CHECK frees)."""
+        now = time.monotonic() if now is None else now
+        if now < self._period_ends:
+            return
+        old, self._idle_old, self._idle = self._idle_old, self._idle, {}
+        self._period_ends = now + self.give_back_age_s
         if not old:
             return
-        for start, end in old:
-            del self._idle[start]
-            self._idle_bytes -= end - start
+        merged: list[list[int]] = []
+        for start in sorted(old):
+            end = start + old[start]
             self._given_back.add(start)
             self._forget(start, end)
-        old.sort()
-        merged: list[list[int]] = []
-        for start, end in old:
             if merged and merged[-1][1] == start:
                 merged[-1][1] = end
             else:
@@ -441,8 +446,19 @@ class Arena:
     def _take(self, span: int) -> int | None:
         starts = self._free.get(span)
         if starts:
-            start = next(reversed(starts))
-            if not self._unfree(start, span) or self._take_back(start, span):
+            start = starts.popitem()[0]  # the latest freed: its pages are the likeliest still held
+            if not starts:
+                del self._free[span]
+            del self._free_ends[start + span]
+            self._free_bytes -= span
+            if (
+                self._idle.pop(start, None) is not None
+                or self._idle_old.pop(start, None) is not None
+                or start not in self._given_back
+            ):
+                return start
+            self._given_back.discard(start)
+            if self._take_back(start, span):
                 return start
         if self._top + span <= self.size and self._fault(self._top + span):
             start = self._top
@@ -457,45 +473,43 @@ class Arena:
         at the top, and cut `span` out of the first free range large enough. A merged range counts as
         given back if any of its slots was (taking it reserves and touches its pages again), else as
         idle since its latest slot was freed."""
-        ranges: list[tuple[int, int, bool, float]] = []
-        now = time.monotonic()
-        for size, starts in self._free.items():
-            for start in starts:
-                idle = self._idle.get(start)
-                ranges.append((start, start + size, start in self._given_back, idle[1] if idle else now))
-        ranges.sort()
+        given = self._given_back
+        ranges = sorted(
+            (start, start + size, start in given) for size, starts in self._free.items() for start in starts
+        )
         merged: list[list[Any]] = []
-        for start, end, given_back, when in ranges:
+        for start, end, given_back in ranges:
             if merged and merged[-1][1] == start:
                 last = merged[-1]
-                last[1], last[2], last[3] = end, last[2] or given_back, max(last[3], when)
+                last[1], last[2] = end, last[2] or given_back
             else:
-                merged.append([start, end, given_back, when])
+                merged.append([start, end, given_back])
         self._free, self._free_ends, self._free_bytes = {}, {}, 0
-        self._idle, self._idle_bytes, self._given_back = {}, 0, set()
+        self._idle, self._idle_old, self._given_back = {}, {}, set()
         if merged and merged[-1][1] == self._top:
             self._restore(*merged.pop())  # _lower_top moves the pointer over it, given back or not
             self._lower_top(self._top)
         found: int | None = None
         found_given_back = False
-        for start, end, given_back, when in merged:
+        for start, end, given_back in merged:
             if found is None and end - start >= span:
                 found, found_given_back = start, given_back
                 start += span
             if end > start:
-                self._restore(start, end, given_back, when)
+                self._restore(start, end, given_back)
         if found is not None and found_given_back:
             low, high = _round_down(found, PAGE), _round_up(found + span, PAGE)
             if not self._reserve_and_touch(low, high):
-                self._restore(found, found + span, True, now)
+                self._restore(found, found + span, True)
                 return None
         if found is None and self._top + span <= self.size and self._fault(self._top + span):
             found = self._top
             self._top += span
         return found
 
-    def _restore(self, start: int, end: int, given_back: bool, when: float) -> None:
-        """Put a free range back in the free tables (coalescing rebuilds them)."""
+    def _restore(self, start: int, end: int, given_back: bool) -> None:
+        """Put a free range back in the free tables (coalescing rebuilds them; a range whose pages are
+        held counts as freed in the current period)."""
         span = end - start
         self._free.setdefault(span, {})[start] = None
         self._free_ends[end] = start
@@ -503,8 +517,7 @@ class Arena:
         if given_back:
             self._given_back.add(start)
         elif self._give_back and span >= PAGE and end > self._floor:
-            self._idle[start] = (span, when)
-            self._idle_bytes += span
+            self._idle[start] = span
 
     def _fault(self, end: int) -> bool:
         """Reserve and touch pages up to `end` (in whole extents); False when the file system is full.
