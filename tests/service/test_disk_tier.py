@@ -140,6 +140,7 @@ def test_values_evicted_before_the_writer_ran_are_spilled_from_a_copy(
         assert {r.outcome for r in backend.put_many(NS, MODE, part)} == {PutOutcome.STORED}
     assert tier(backend).drain()
     assert tier(backend).spill_dropped == 0
+    assert backend.stats().errors == {"disk_spill_dropped": 0}
     statuses = backend.lookup(NS, MODE, list(stored))
     assert statuses == [HIT] * len(stored)
     assert get_in_batches(backend, list(stored)) == list(stored.values())
@@ -578,3 +579,22 @@ def test_after_a_sigkill_during_puts_every_value_served_verifies(tmp_path: Path)
         assert disk_row(again).corrupted_dropped <= 2  # at most the torn tail (and one bad read)
     finally:
         again.close()
+
+
+def test_a_burst_past_the_spill_queue_drops_values_counted_and_never_serves_wrong_bytes(
+    tmp_path: Path, backends: list[MemoryBackend]
+) -> None:
+    backend = open_backend(tmp_path / "disk", capacity=1 << 20)
+    backends.append(backend)
+    stored = values(1024, 4 << 10)  # 4x memory in bursts, the spill queue 1/8 of memory
+    pairs = list(stored.items())
+    for start in range(0, len(pairs), 128):
+        assert {r.outcome for r in backend.put_many(NS, MODE, pairs[start : start + 128])} == {
+            PutOutcome.STORED
+        }
+    assert tier(backend).drain()
+    dropped = tier(backend).spill_dropped
+    assert backend.stats().errors["disk_spill_dropped"] == dropped
+    got = get_in_batches(backend, list(stored), batch=32)
+    assert all(v is None or v == stored[a] for a, v in zip(stored, got, strict=True)), "wrong bytes served"
+    assert got.count(None) <= dropped, "a value was lost that was not counted as dropped"

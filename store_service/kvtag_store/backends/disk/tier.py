@@ -311,11 +311,10 @@ class DiskTier:
         taken: set[tuple[str, BlockAddress]] = set()  # an address queued twice is written once
         while queue and len(jobs) < _BATCH_RECORDS and total < self._batch_bytes:
             item = queue.popleft()
+            if len(item) == 5:
+                self._pending_copies -= len(item[4])
             if (item[0], item[1]) in taken:
-                if len(item) == 5:
-                    self._pending_copies -= len(item[4])
                 continue
-            taken.add((item[0], item[1]))
             if len(item) == 3:
                 ns_id, address, generation = item
                 ns = namespaces.get(ns_id)
@@ -327,12 +326,12 @@ class DiskTier:
                 total += entry.slot.length
             else:
                 ns_id, address, mode_id, digest, value = item
-                self._pending_copies -= len(value)
                 ns = namespaces.get(ns_id)
                 if ns is None or address in ns.entries:
                     continue
                 jobs.append(_Job(ns, address, mode_id, digest, value, None))
                 total += len(value)
+            taken.add((ns_id, address))  # only once a job is made: a skipped reference leaves it to its copy
         return jobs
 
     def _write_batch(self) -> bool:

@@ -480,7 +480,7 @@ class MemoryBackend:
     # -- reporting ----------------------------------------------------------
 
     def stats(self) -> BackendStats:
-        """With the disk tier on, `tiers` is [memory, disk]."""
+        """With the disk tier on, `tiers` is [memory, disk] and `errors` counts disk_spill_dropped."""
         prefault = self.prefault_progress()
         with self._lock:
             report = usage_report(
@@ -496,6 +496,9 @@ class MemoryBackend:
             )
             if self._disk is not None:
                 report.tiers.append(self._disk.usage())
+                # Values evicted before the writer reached them, past its bounded queue: lost, not on
+                # disk (TierStats has no field for it; backend errors by kind are shown beside it).
+                report.errors["disk_spill_dropped"] = self._disk.spill_dropped
         return report
 
     def disk_tier(self) -> DiskTier | None:
