@@ -598,3 +598,19 @@ def test_a_burst_past_the_spill_queue_drops_values_counted_and_never_serves_wron
     got = get_in_batches(backend, list(stored), batch=32)
     assert all(v is None or v == stored[a] for a, v in zip(stored, got, strict=True)), "wrong bytes served"
     assert got.count(None) <= dropped, "a value was lost that was not counted as dropped"
+
+
+def test_per_namespace_counts_blocks_held_on_disk_only(tmp_path: Path) -> None:
+    """The census sweeps namespaces that hold nothing: one whose blocks are only on disk holds them."""
+    disk = tmp_path / "disk"
+    first = open_backend(disk)
+    first.put_many(NS, MODE, [(address(i), b"v") for i in range(5)])
+    first.close()
+    again = open_backend(disk)
+    try:
+        assert again.stats().per_namespace == {NS: (5, 0)}
+        again.get(NS, MODE, [address(0), address(1)])  # read back: in both tiers now
+        again.put_many(NS, MODE, [(address(9), b"new")])
+        assert again.stats().per_namespace[NS][0] == 6
+    finally:
+        again.close()

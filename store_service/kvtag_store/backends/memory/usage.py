@@ -1,7 +1,8 @@
 """The memory backend's usage report: what GetStats, /metrics and the status page show of it.
 
 A function of the backend's parts, apart from the facade, so the facade stays about the contract;
-the caller holds the backend's lock.
+the caller holds the backend's lock. Per namespace, keys count blocks in either tier (with the disk
+tier on); used bytes are memory's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def usage_report(
         ),
         corrupted_dropped=corrupted,
         per_namespace={
-            ns_id: (len(ns.entries), ns.used_bytes) for ns_id, ns in namespaces.items() if ns.entries
+            ns_id: (_blocks_held(ns), ns.used_bytes)
+            for ns_id, ns in namespaces.items()
+            if ns.entries or ns.disk
         },
         per_tenant={
             tenant: TenantUsage(
@@ -71,3 +74,12 @@ def usage_report(
         tiers=[memory],
         prefault=prefault,
     )
+
+
+def _blocks_held(ns: Namespace) -> int:
+    """Distinct blocks of the namespace in either tier: the census must not take a namespace whose
+    blocks are on disk only for empty. An entry read back from disk (or written there) is in both."""
+    if not ns.disk:
+        return len(ns.entries)
+    in_both = sum(1 for entry in ns.entries.values() if entry.disk is not None)
+    return len(ns.entries) + len(ns.disk) - in_both
