@@ -19,11 +19,10 @@ client's put; a tmpfs that is full answers ENOSPC here instead of SIGBUS in a cl
 
 Pages are given back too, or an arena would keep its high-water mark for good (mixed sizes push the
 bump pointer to the arena's end while eviction moves blocks between arenas): freeing the top slot
-lowers the bump pointer (coalescing lowers it over free space at the top), and pages more than the
-prefault window above it are released; free slots' whole pages are released (MADV_REMOVE: a hole
-punched in the file, or in anonymous shared memory) once they have stayed free a while, and reserved
-and touched again by the service before the slot is handed out. Nothing below the up-front (eager)
-prefault is given back.
+lowers the bump pointer over every free slot below it, and pages more than the prefault window above
+it are released; free slots' whole pages are released (MADV_REMOVE: a hole punched in the file, or in
+anonymous shared memory) once they have stayed free a while, and reserved and touched again by the
+service before the slot is handed out. Nothing below the up-front (eager) prefault is given back.
 """
 
 from __future__ import annotations
@@ -251,9 +250,10 @@ class Arena:
         # arena no namespace uses only once it is idle since before the census's sweep.
         self.last_used = time.monotonic()
         self._top = ARENA_HEADER
-        # span -> free slot starts (a dict as an ordered set: the latest freed, whose pages are the
-        # likeliest still held, is taken first).
+        # span -> free slot starts (a dict as an ordered set: the latest freed is taken first, and a
+        # slot under the falling bump pointer is removed in O(1)).
         self._free: dict[int, dict[int, None]] = {}
+        self._free_ends: dict[int, int] = {}  # free slot end -> its start: the bump pointer's way down
         self._free_bytes = 0
         self.slots_in_use = 0
         # Free slots whose pages are still held: start -> (span, when freed), oldest first; and free
@@ -341,6 +341,7 @@ class Arena:
         if starts is None:
             starts = self._free[span] = {}
         starts[start] = None
+        self._free_ends[start + span] = start
         self._free_bytes += span
         if self._give_back:
             if span >= PAGE and start + span > self._floor:
@@ -349,13 +350,31 @@ class Arena:
             if not self._frees % FREES_PER_CHECK:
                 self.release_idle()
 
-    def _lower_top(self, top: int, hole: bool = False) -> None:
-        """The free range [top, bump pointer) ends at the pointer: move the pointer down to `top`, and
-        give back the pages beyond the prefault window above it. `hole`: some of the range's pages were
-        given back already. Free slots right below are not looked for (that would cost every free a
-        table update): their pages go back as any free slot's do, and coalescing lowers the pointer
-        over them when a slot does not fit."""
-        lowest_hole = top if hole else self._faulted
+    def _unfree(self, start: int, span: int) -> bool:
+        """Take a free slot out of the free tables; True when its pages were given back."""
+        starts = self._free[span]
+        del starts[start]
+        if not starts:
+            del self._free[span]
+        del self._free_ends[start + span]
+        self._free_bytes -= span
+        if self._idle.pop(start, None) is not None or self._idle_old.pop(start, None) is not None:
+            return False
+        if start in self._given_back:
+            self._given_back.discard(start)
+            return True
+        return False
+
+    def _lower_top(self, top: int) -> None:
+        """The slot ending at the bump pointer is free: move the pointer down to `top`, then over every
+        free slot right below it, and give back the pages beyond the prefault window above it."""
+        lowest_hole = self._faulted
+        while (below := self._free_ends.get(top)) is not None:
+            if self._unfree(below, top - below):
+                lowest_hole = below
+            elif self._give_back:
+                self._forget(below, top)
+            top = below
         self._top = top
         if not self._give_back:
             return
@@ -415,6 +434,7 @@ class Arena:
         if self._reserve_and_touch(low, high):
             return True
         self._free.setdefault(span, {})[start] = None
+        self._free_ends[start + span] = start
         self._free_bytes += span
         self._given_back.add(start)
         return False
@@ -429,6 +449,7 @@ class Arena:
             start = starts.popitem()[0]  # the latest freed: its pages are the likeliest still held
             if not starts:
                 del self._free[span]
+            del self._free_ends[start + span]
             self._free_bytes -= span
             if (
                 self._idle.pop(start, None) is not None
@@ -463,11 +484,11 @@ class Arena:
                 last[1], last[2] = end, last[2] or given_back
             else:
                 merged.append([start, end, given_back])
-        self._free, self._free_bytes = {}, 0
+        self._free, self._free_ends, self._free_bytes = {}, {}, 0
         self._idle, self._idle_old, self._given_back = {}, {}, set()
         if merged and merged[-1][1] == self._top:
-            start, _, given_back = merged.pop()
-            self._lower_top(start, hole=given_back)
+            self._restore(*merged.pop())  # _lower_top moves the pointer over it, given back or not
+            self._lower_top(self._top)
         found: int | None = None
         found_given_back = False
         for start, end, given_back in merged:
@@ -491,6 +512,7 @@ class Arena:
         held counts as freed in the current period)."""
         span = end - start
         self._free.setdefault(span, {})[start] = None
+        self._free_ends[end] = start
         self._free_bytes += span
         if given_back:
             self._given_back.add(start)
