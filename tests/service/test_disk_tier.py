@@ -614,3 +614,26 @@ def test_per_namespace_counts_blocks_held_on_disk_only(tmp_path: Path) -> None:
         assert again.stats().per_namespace[NS][0] == 6
     finally:
         again.close()
+
+
+def test_records_with_long_names_and_many_small_records_survive_a_restart(tmp_path: Path) -> None:
+    """The start-up scan reads headers in chunks: records straddling a chunk, and names longer than
+    a first read, come back whole."""
+    disk = tmp_path / "disk"
+    long_ns = "n" * 700  # a header plus names longer than the scan's first read
+    first = open_backend(disk, capacity=1 << 20, segment=4 << 20)
+    small = {address(i): os.urandom(100 + i % 300) for i in range(3000)}
+    first.put_many(long_ns, "m" * 300, [(address(1), b"long names")])
+    pairs = list(small.items())
+    for start in range(0, len(pairs), 500):
+        first.put_many(NS, MODE, pairs[start : start + 500])
+        assert tier(first).drain()
+    first.close()
+    again = open_backend(disk, capacity=1 << 20, segment=4 << 20)
+    try:
+        assert disk_row(again).corrupted_dropped == 0
+        assert bytes(again.get(long_ns, "m" * 300, [address(1)])[0].value or b"") == b"long names"
+        assert again.lookup(NS, MODE, list(small)) == [HIT] * len(small)
+        assert get_in_batches(again, list(small), batch=64) == list(small.values())
+    finally:
+        again.close()

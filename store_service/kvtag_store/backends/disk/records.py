@@ -80,33 +80,25 @@ def encode_meta(
     return fixed + _DIGEST.pack(_digest(fixed + names)) + names
 
 
-def meta_length(buffer: bytes | bytearray | memoryview) -> int:
-    """How many bytes the header in `buffer` says its header plus names take (TornRecord if it cannot
-    say: too short, wrong magic or version)."""
-    if len(buffer) < HEADER_BYTES:
-        raise TornRecord("short header")
-    magic, version, _, n, t, m, k, _, _, _ = _FIXED.unpack_from(buffer)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise TornRecord("bad magic or version")
-    return int(HEADER_BYTES + n + t + m + k)
-
-
-def decode_meta(buffer: bytes | bytearray | memoryview) -> Record:
-    """The record whose header and names start `buffer`; TornRecord when they are short or fail their
-    checksum (ShortBuffer when `buffer` is only too short to hold its names: read more)."""
-    if len(buffer) < HEADER_BYTES:
-        raise TornRecord("short header")
-    magic, version, flags, n, t, m, k, group, value_length, value_digest = _FIXED.unpack_from(buffer)
+def decode_meta(buffer: bytes | bytearray | memoryview, start: int = 0) -> Record:
+    """The record whose header and names start at `start` in `buffer`; TornRecord when they fail
+    their checks, ShortBuffer when `buffer` ends before them (read more, or at the end of a file:
+    torn)."""
+    if len(buffer) < start + HEADER_BYTES:
+        raise ShortBuffer(HEADER_BYTES)
+    magic, version, flags, n, t, m, k, group, value_length, value_digest = _FIXED.unpack_from(buffer, start)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise TornRecord("bad magic or version")
     length = HEADER_BYTES + n + t + m + k
-    if len(buffer) < length:
+    if length > MAX_META:
+        raise TornRecord("names longer than any record written")
+    if len(buffer) < start + length:
         raise ShortBuffer(length)
-    raw = bytes(buffer[:length])
-    (stored,) = _DIGEST.unpack_from(raw, _FIXED.size)
-    if _digest(raw[: _FIXED.size] + raw[HEADER_BYTES:]) != stored:
+    fixed = bytes(buffer[start : start + _FIXED.size])
+    names = bytes(buffer[start + HEADER_BYTES : start + length])
+    (stored,) = _DIGEST.unpack_from(buffer, start + _FIXED.size)
+    if _digest(fixed + names) != stored:
         raise TornRecord("header checksum")
-    names = raw[HEADER_BYTES:]
     try:
         namespace_id = names[:n].decode()
         tenant = names[n : n + t].decode() if flags & _FLAG_TENANT else None

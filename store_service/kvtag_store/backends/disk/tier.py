@@ -70,8 +70,11 @@ _IOV_MAX = 1024
 WRITER_NICE = 5
 # Records of one Get read back side by side (the device sees a queue; hashing overlaps reading).
 READ_THREADS = 4
-# A header plus names is read with one pread of this much at start-up (more only for long names).
+# At start-up a header plus names is read with one pread of this much after a large value (more only
+# for long names), and a chunk of many records after a small one.
 _SCAN_READ = 512
+_SCAN_CHUNK = 64 << 10
+_SMALL_VALUE = 8 << 10
 
 
 class _Job(NamedTuple):
@@ -178,20 +181,27 @@ class DiskTier:
             held: dict[str, list[bytes]] = {}
             pread = os.pread
             unreadable: OSError | None = None
+            # Headers are parsed out of chunks read ahead: one pread serves many small records, and
+            # a large record's header costs a small pread of its own (its value is skipped).
+            chunk, chunk_at, chunk_size = b"", 0, _SCAN_READ
             while offset < size:
                 try:
-                    buffer = pread(fd, _SCAN_READ, offset)
                     try:
-                        record = decode_meta(buffer)
+                        record = decode_meta(chunk, offset - chunk_at)
                     except ShortBuffer as short:
-                        if short.length > records.MAX_META:
-                            break
-                        record = decode_meta(pread(fd, short.length, offset))
+                        chunk = pread(fd, max(chunk_size, short.length), offset)
+                        chunk_at = offset
+                        try:
+                            record = decode_meta(chunk)
+                        except ShortBuffer as longer:  # names longer than the first read held
+                            chunk = pread(fd, longer.length, offset)
+                            record = decode_meta(chunk)  # short now: the file ends inside it (torn)
                 except (TornRecord, ShortBuffer):
                     break
                 except OSError as exc:  # not torn, unreadable: keep the file, serve what was found
                     unreadable = exc
                     break
+                chunk_size = _SCAN_CHUNK if record.value_length <= _SMALL_VALUE else _SCAN_READ
                 end = offset + record.meta_length + record.value_length
                 if end > size:
                     break
