@@ -163,8 +163,10 @@ class DiskTier:
     # -- start-up -------------------------------------------------------------
 
     def _rebuild(self, namespace: Callable[[str, str | None], Namespace]) -> None:
-        """Rebuild every namespace's index from the segments' headers (values are never read); a torn
-        or unreadable tail is truncated off and counted. Caller holds the lock."""
+        """Rebuild every namespace's index from the segments' headers; a torn tail is truncated off
+        and counted. Values are not read or hashed: after a value over _SMALL_VALUE the next header
+        is read alone; small values share the pages of the headers around them, so those are read
+        in chunks. Caller holds the lock."""
         modes: dict[str, set[str]] = {}
         tenants: dict[str, str | None] = {}
         numbers = self._mode_numbers
