@@ -20,12 +20,12 @@ is free). Both Get paths need its bytes in a slot anyway (the shared-memory read
 slot, the inline reply is built from it), so promoting costs nothing beyond that slot, and a block
 read once is likely read again (a shared prefix).
 
-Costs (benchmarks/results/disk_tier.json, one run on a shared 2-core host): the rebuild reads one
-header per record, 5.3 us a record (100,000 records: first Lookup hit 0.89 s after the process
-started); an index entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of disk-resident
-1 MiB blocks ran at 0.51x a plain sequential read of the same files, caches dropped for both; puts
-with the tier on at 0.64x off (the put path itself costs 5% more; the rest is the writer's copy into
-the page cache competing for the two cores).
+Costs (benchmarks/results/disk_tier.json, one run on a shared 2-core host, load 1.8-2.3): the
+rebuild costs 4.5 us a record (100,000 records: first Lookup hit 0.82 s after the process
+started); an index entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of
+disk-resident 1 MiB blocks ran at 0.64x a plain sequential read of the same files, caches dropped
+for both; puts with the tier on at 0.55x off (the put path itself costs about 5% more; the rest is
+the writer's copy into the page cache competing with the put for the two cores).
 
 Faults: any OSError writing or reading the tier turns the tier off (one warning, counted, degraded
 with the reason); the store then serves from memory only.
