@@ -193,7 +193,9 @@ def test_packed_lookup_answers_and_pins_disk_hits(tmp_path: Path) -> None:
         statuses, lease = again.lookup_packed_and_pin(NS, MODE, [(0, packed, 32)])
         assert list(statuses) == [HIT] * 4 + [MISS] * 2
         assert lease is not None and list(lease) == [address(i) for i in range(4)]
+        assert again.stats().leased_keys == 4  # leases on disk-only blocks count as leases
         again.unpin(NS, lease)
+        assert again.stats().leased_keys == 0
         statuses, lease = again.lookup_packed_and_pin(NS, OTHER_MODE, [(0, packed, 32)])
         assert list(statuses) == [MISMATCH] * 4 + [MISS] * 2 and lease is None
         assert disk_row(again).hits == 4

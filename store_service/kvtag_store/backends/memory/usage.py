@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvtag_store.backends.base import BackendStats, TenantUsage, TierUsage
+from kvtag_store.backends.disk.records import index_key
 from kvtag_store.backends.memory.entries import Namespace
 from kvtag_store.backends.memory.pools import Pool
 
@@ -51,7 +52,10 @@ def usage_report(
         keys=key_count,
         evictions=sum(evictions.values()),
         leased_keys=sum(
-            1 for ns in namespaces.values() for address in ns.pinned_addresses() if address in ns.entries
+            1
+            for ns in namespaces.values()
+            for address in ns.pinned_addresses()
+            if address in ns.entries or (ns.disk and index_key(address[0], address[1]) in ns.disk)
         ),
         corrupted_dropped=corrupted,
         per_namespace={
