@@ -50,10 +50,15 @@ def test_freeing_the_top_slots_lowers_the_bump_pointer_and_gives_pages_beyond_th
             )
             held = file_bytes(arena)
             assert held >= 48 << 20
+            now = time.monotonic()
+            arena.release_idle(now)  # a period starts
             for slot in reversed(slots[8:]):  # the top 40 MiB, top slot first
                 arena.free(slot)
             assert arena._top == slots[8].start, "the bump pointer must fall to the highest slot in use"
             assert not arena._free, "slots under the falling pointer must leave the free lists"
+            arena.release_idle(now + 1.0)  # the pointer was high in this period: pages kept
+            assert arena.given_back_bytes == 0 and file_bytes(arena) >= held - EXTENT
+            arena.release_idle(now + 2.0)  # low for a whole period: pages beyond the window go
             # What stays: 8 MiB in use plus the window above the pointer, in whole extents.
             assert arena.faulted_bytes <= slots[8].start + window + EXTENT
             assert file_bytes(arena) <= held - (16 << 20), f"{held} -> {file_bytes(arena)} bytes"

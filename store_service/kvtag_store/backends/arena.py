@@ -266,6 +266,8 @@ class Arena:
         self._idle_old: dict[int, int] = {}
         self._frees = 0
         self._period_ends = 0.0  # the first check starts the first period
+        self._top_high = ARENA_HEADER  # the highest the bump pointer reached this period
+        self._held_end = 0  # touched pages may reach this far above the touched prefix
         self._given_back: set[int] = set()
         self.give_back_age_s = GIVE_BACK_AGE_S
         self.given_back_bytes = 0  # released over the arena's life (a figure for tests and soaks)
@@ -367,7 +369,11 @@ class Arena:
 
     def _lower_top(self, top: int) -> None:
         """The slot ending at the bump pointer is free: move the pointer down to `top`, then over every
-        free slot right below it, and give back the pages beyond the prefault window above it."""
+        free slot right below it. The pages beyond the prefault window above it are given back at the
+        end of a period in which the pointer stayed low (_shrink): a pointer that falls and climbs
+        again within a period would otherwise have its puts touch those pages anew."""
+        if self._top > self._top_high:
+            self._top_high = self._top
         lowest_hole = self._faulted
         while (below := self._free_ends.get(top)) is not None:
             if self._unfree(below, top - below):
@@ -376,26 +382,41 @@ class Arena:
                 self._forget(below, top)
             top = below
         self._top = top
-        if not self._give_back:
-            return
-        keep = max(self._floor, _round_up(top + self._window, EXTENT))
-        # Hysteresis: a store whose top moves up and down by a few slots does not touch pages again.
-        if lowest_hole >= self._faulted and self._faulted < keep + 2 * EXTENT:
+        if lowest_hole >= self._faulted:
             return
         with self._fault_lock:
             if self._closed:
                 return
             # A given-back slot now above the pointer is a hole in the touched prefix: the prefix
-            # ends below it, and the window is touched again from there.
-            end = min(self._faulted, max(self._floor, _round_down(lowest_hole, PAGE)))
-            if self._faulted > keep and remove_pages(self._base, keep, self._faulted - keep):
-                self.given_back_bytes += self._faulted - keep
-                end = min(end, keep)
+            # ends below it, and the window is touched again from there. The pages above stay held
+            # until _shrink.
+            end = max(self._floor, _round_down(lowest_hole, PAGE))
             if end < self._faulted:
+                self._held_end = max(self._held_end, self._faulted)
                 self._faulted = end
                 pages.publish_faulted(self._mmap, end)
         if self._faulted < top + self._window // 2:
             PREFAULTER.kick()
+
+    def _shrink(self) -> None:
+        """Give back the pages beyond the prefault window above the highest the bump pointer reached
+        in the period now ending. Caller: release_idle, under the backend's lock."""
+        high = max(self._top_high, self._top)
+        self._top_high = self._top
+        keep = max(self._floor, _round_up(high + self._window, EXTENT))
+        held = max(self._faulted, self._held_end)
+        if held <= keep + 2 * EXTENT:  # hysteresis: a few extents are not worth a syscall and a refault
+            return
+        with self._fault_lock:
+            if self._closed:
+                return
+            held = max(self._faulted, self._held_end)
+            if remove_pages(self._base, keep, held - keep):
+                self.given_back_bytes += held - keep
+                self._held_end = 0
+                if self._faulted > keep:
+                    self._faulted = keep
+                    pages.publish_faulted(self._mmap, keep)
 
     def release_idle(self, now: float | None = None) -> None:
         """At the end of a period, give back the pages of the slots free since the one before, adjacent
@@ -406,6 +427,7 @@ class Arena:
             return
         old, self._idle_old, self._idle = self._idle_old, self._idle, {}
         self._period_ends = now + self.give_back_age_s
+        self._shrink()
         if not old:
             return
         merged: list[list[int]] = []
