@@ -109,7 +109,7 @@ def worker(load: Load) -> None:
                 got[i] = v
 
         # What the parent removes once the read leases lapse (the blocks stay in the cluster).
-        stored = [object_key(ids.namespace_id(desc), client.mode_id, 0, k) for k in keys]
+        stored: list[str] = [object_key(ids.namespace_id(desc), client.mode_id, 0, k) for k in keys]
         close = client.close
     else:
         from kvtag_store.backends.mooncake.client import MooncakeSettings, connect
@@ -118,7 +118,7 @@ def worker(load: Load) -> None:
             MooncakeSettings(master=load.target, metrics=load.metrics, local_buffer_bytes=128 * MiB)
         )
         raw_keys = [f"raw/{k.decode()}" for k in keys]
-        stored: list[str] = []
+        stored = []
 
         size = load.value_bytes
         if load.kind == "raw":  # Mooncake's copying calls, as bench_mooncake's raw column
@@ -373,14 +373,14 @@ def run_topology(workdir: Path, quick: bool = False) -> dict[str, Any]:
             raw.close()
         cluster.stop()
     summary: dict[str, Any] = {}
-    for n, kinds in phases.items():
+    for label, kinds in phases.items():
         row: dict[str, Any] = {}
         for op in ("put", "get"):
             for kind in KINDS:
                 row[f"{kind}_{op}_gbps"] = statistics.median(r[f"{op}_gbps"] for r in kinds[kind])
             row[f"ratio_{op}"] = row[f"kvtag_{op}_gbps"] / row[f"raw_{op}_gbps"]
             row[f"ratio_zero_copy_{op}"] = row[f"kvtag_{op}_gbps"] / row[f"raw_zero_copy_{op}_gbps"]
-        summary[n] = row
+        summary[label] = row
     return {
         "value_bytes": value_bytes,
         "bytes_per_worker": per_worker,

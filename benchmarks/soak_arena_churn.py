@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from kvtag_store.backends.base import BlockAddress, BlockKey
 from kvtag_store.backends.memory import MemoryBackend
 
 MiB = 1 << 20
@@ -32,10 +33,11 @@ def stream(backend: MemoryBackend, namespaces: list[str], sizes: list[int], roun
     started = time.perf_counter()
     for n in range(rounds):
         ns = namespaces[n % len(namespaces)]
-        items = []
+        items: list[tuple[BlockAddress, bytes]] = []
         for i in range(16):
             size = sizes[(n * 16 + i) % len(sizes)]
-            items.append(((0, f"{seed}-{n}-{i}".encode().ljust(32, b".")), payloads[size]))
+            key = BlockKey(f"{seed}-{n}-{i}".encode().ljust(32, b"."))
+            items.append(((0, key), payloads[size]))
             moved += size
         backend.put_many(ns, "mode", items)
     return moved / (time.perf_counter() - started) / 1e9

@@ -124,11 +124,12 @@ def test_random_churn_with_give_back_never_overlaps_nor_touches_the_bytes_of_slo
                         assert intact(arena, slot), f"slot at {slot.start} changed while in use"
                         arena.free(slot)
                         continue
-                    slot = arena.allocate(
+                    taken = arena.allocate(
                         rng.choice([100, 4096, 65536, 70000, rng.randrange(1, 300_000)]), n + 1
                     )
-                    if slot is None:
+                    if taken is None:
                         continue
+                    slot = taken
                     assert arena.generation(slot.offset) == slot.generation
                     fill(arena, slot)
                     live.append(slot)

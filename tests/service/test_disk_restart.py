@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,10 @@ def disk_row(stats: pb.GetStatsResponse) -> pb.TierStats:
     return rows["disk"]
 
 
+def on_disk_at_least(engine: Engine, count: int) -> bool:
+    return disk_row(engine.stats()).keys >= count
+
+
 def put_settled(engine: Engine, written: list[bytes], chunk: int = 4 * BATCH) -> None:
     """Put in chunks of half the memory, each written to the disk tier before the next: a put never
     waits for the disk (write-through in the background), so a writer outrun by a burst larger than
@@ -88,7 +93,7 @@ def put_settled(engine: Engine, written: list[bytes], chunk: int = 4 * BATCH) ->
     for i in range(0, len(written), chunk):
         assert set(engine.put(written[i : i + chunk])) == {pb.STORED}
         done = i + len(written[i : i + chunk])
-        wait_until(lambda n=done: disk_row(engine.stats()).keys >= n, 30, f"{done} values on disk")
+        wait_until(partial(on_disk_at_least, engine, done), 30, f"{done} values on disk")
 
 
 def keys(prefix: str, count: int) -> list[bytes]:

@@ -118,8 +118,8 @@ def test_blocks_held_on_disk_only_after_a_restart_come_back_byte_exact(served: S
         chunk = blocks[start : start + 4]
         got = inline.get([(g, k) for g, k, _, _ in chunk])
         assert [bytes(v) if v is not None else None for v in got] == [v for _, _, v, _ in chunk]
-    disk = served.backend.stats().tiers[1]
-    assert disk.reads_back >= len(blocks) and disk.corrupted_dropped == 0
+    disk_row = served.backend.stats().tiers[1]
+    assert disk_row.reads_back >= len(blocks) and disk_row.corrupted_dropped == 0
 
 
 def test_a_wrong_mode_session_gets_no_bytes_from_disk(served: Served) -> None:
