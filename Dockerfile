@@ -46,7 +46,10 @@ RUN python3 -m venv /opt/build \
 FROM ${BASE_IMAGE} AS runtime
 RUN groupadd --gid 10001 kvtag \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin kvtag
+      --shell /usr/sbin/nologin kvtag \
+ && install -d -m 0700 -o 10001 -g 10001 /var/lib/kvtag
+# The disk tier's directory (compose.yaml mounts a named volume here): Docker copies this ownership
+# into a new named volume, podman gives it to the image's user anyway.
 COPY --from=build /opt/kvtag /opt/kvtag
 # Inside the container the service listens on all interfaces of the container's own
 # network namespace, so that port publishing works; publish on the host's loopback
