@@ -300,11 +300,6 @@ def test_a_disk_dir_that_cannot_be_used_exits_2_naming_the_path(kind: str, tmp_p
     assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="MemoryBackend.stats().per_namespace counts memory entries only (backends/memory/usage.py), so "
-    "the census sweep takes a disk-only namespace for empty and forgets its strict mode",
-)
 def test_a_strict_namespace_whose_blocks_are_only_on_disk_is_not_forgotten(
     start: Any, tmp_path: Path
 ) -> None:
