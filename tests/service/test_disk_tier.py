@@ -639,3 +639,47 @@ def test_records_with_long_names_and_many_small_records_survive_a_restart(tmp_pa
         assert get_in_batches(again, list(small), batch=64) == list(small.values())
     finally:
         again.close()
+
+
+def test_the_writer_lags_behind_puts_up_to_half_the_memory_then_writes(
+    tmp_path: Path, backends: list[MemoryBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-behind: puts that keep coming run alone until the unwritten values pass half the memory
+    capacity; a drain, a pause or the lag's age bound writes them. Puts are made to look continuous
+    (a long quiet period), so what starts the writer here is the bound under test, not timing."""
+    from kvtag_store.backends.disk import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "QUIET_S", 60.0)
+    monkeypatch.setattr(tier_module, "MAX_LAG_S", 60.0)
+    backend = open_backend(tmp_path / "disk", capacity=4 << 20)
+    backends.append(backend)
+    disk = tier(backend)
+    first, second = values(12, 128 << 10, seed=1), values(8, 128 << 10, seed=2)  # 1.5 MiB, then 2.5
+    assert {r.outcome for r in backend.put_many(NS, MODE, list(first.items()))} == {PutOutcome.STORED}
+    assert disk.queue.unwritten == 12 * (128 << 10)
+    time.sleep(0.3)  # the writer woke (every put wakes it) and left the queue to the puts
+    assert disk_row(backend).keys == 0, "the writer copied beside puts within the lag"
+    assert {r.outcome for r in backend.put_many(NS, MODE, list(second.items()))} == {PutOutcome.STORED}
+    deadline = time.monotonic() + 10
+    while disk_row(backend).keys < 20:  # past half of the 4 MiB: written without waiting for a pause
+        assert time.monotonic() < deadline, f"only {disk_row(backend).keys} of 20 written past the lag"
+        time.sleep(0.02)
+    assert disk.queue.unwritten == 0
+    # The age bound: an unwritten value waits at most MAX_LAG_S, puts or not.
+    third = values(4, 128 << 10, seed=3)
+    assert {r.outcome for r in backend.put_many(NS, MODE, list(third.items()))} == {PutOutcome.STORED}
+    time.sleep(0.3)
+    assert disk_row(backend).keys == 20
+    monkeypatch.setattr(tier_module, "MAX_LAG_S", 0.1)
+    deadline = time.monotonic() + 10
+    while disk_row(backend).keys < 24:
+        assert time.monotonic() < deadline, "a value waited past the lag's age bound"
+        time.sleep(0.02)
+    # drain() (and so close) never waits for a pause.
+    monkeypatch.setattr(tier_module, "MAX_LAG_S", 60.0)
+    fourth = values(2, 128 << 10, seed=4)
+    assert {r.outcome for r in backend.put_many(NS, MODE, list(fourth.items()))} == {PutOutcome.STORED}
+    assert disk.drain()
+    assert disk_row(backend).keys == 26
+    every = first | second | third | fourth
+    assert get_in_batches(backend, list(every)) == list(every.values())

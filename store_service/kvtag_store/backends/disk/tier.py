@@ -1,14 +1,20 @@
 """The memory backend's second tier: values kept in segment files, found again after a restart.
 
-Write policy: write-through in the background. An insert appends (namespace, address, slot
-generation) to `queue` under the backend's lock; one writer thread pins the entry, writes header and
-value straight from the arena with os.pwritev (no Python copy, GIL released), then records where it
-went. Puts never wait for the disk. An entry evicted before it was written has its bytes copied into
-the queue, up to 1/8 of the memory capacity pending; past that it is dropped (`spill_dropped`).
+Write policy: write-behind with a bounded lag. An insert appends (namespace, address, slot
+generation, length) to `queue` under the backend's lock; one writer thread pins the entry, writes
+header and value straight from the arena with os.pwritev (no Python copy, GIL released), then records
+where it went. Puts never wait for the disk, and while they keep coming the writer stays out of their
+way (the page-cache copy competes with them for the cores): it writes once puts pause for QUIET_S,
+or at once when the unwritten values pass half the memory capacity, the oldest has waited MAX_LAG_S,
+or evictions are already copying unwritten values (an entry evicted before it was written has its
+bytes copied into the queue, up to 1/8 of the memory capacity pending; past that it is dropped,
+`spill_dropped`). A sustained put load therefore writes through in the background.
 
 What a crash loses: a SIGKILL loses the queued, unwritten tail only (the kernel keeps what was
-written). A host crash also loses what the kernel had not flushed: segments are fsynced when sealed
-and at close. A record torn either way fails its checks at start-up or at read and is never served.
+written): at most MAX_LAG_S of puts or half the memory capacity, whichever is less, plus a batch in
+flight. SIGTERM writes everything first. A host crash also loses what the kernel had not flushed:
+segments are fsynced when sealed and at close. A record torn either way fails its checks at start-up
+or at read and is never served.
 
 The disk LRU works on whole segments (as CacheLib's BlockCache regions): a pool over its share of
 the disk capacity drops its least recently hit sealed segment, unless a record in it is pinned. A
@@ -20,12 +26,12 @@ is free). Both Get paths need its bytes in a slot anyway (the shared-memory read
 slot, the inline reply is built from it), so promoting costs nothing beyond that slot, and a block
 read once is likely read again (a shared prefix).
 
-Costs (benchmarks/results/disk_tier.json, one run on a shared 2-core host, load 1.8-2.3): the
-rebuild costs 4.5 us a record (100,000 records: first Lookup hit 0.82 s after the process
-started); an index entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of
-disk-resident 1 MiB blocks ran at 0.64x a plain sequential read of the same files, caches dropped
-for both; puts with the tier on at 0.55x off (the put path itself costs about 5% more; the rest is
-the writer's copy into the page cache competing with the put for the two cores).
+Costs (benchmarks/results/disk_tier.json, one run on a shared 2-core host): the rebuild costs
+4.5 us a record (100,000 records: first Lookup hit 0.82 s after the process started); an index
+entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of disk-resident 1 MiB blocks ran
+at 0.64x a plain sequential read of the same files, caches dropped for both. Puts with the tier on
+ran at 0.55x off when the writer copied beside every put (write-through); the put ratios with
+the lag are in the results file.
 
 Faults: any OSError writing or reading the tier turns the tier off (one warning, counted, degraded
 with the reason); the store then serves from memory only.
@@ -68,6 +74,10 @@ _IOV_MAX = 1024
 # Niced enough that puts and Gets win the CPU on a busy host, not so much that a sustained put load
 # starves it (nice 5 weighs about a third of nice 0 in the kernel's fair scheduler).
 WRITER_NICE = 5
+# Write-behind: puts run alone until they pause this long, unless the unwritten values pass half the
+# memory capacity or the oldest has waited MAX_LAG_S (what a SIGKILL can lose).
+QUIET_S = 0.02
+MAX_LAG_S = 1.0
 # Records of one Get read back side by side (the device sees a queue; hashing overlaps reading).
 READ_THREADS = 4
 # At start-up a header plus names is read with one pread of this much after a large value (more only
@@ -75,6 +85,28 @@ READ_THREADS = 4
 _SCAN_READ = 512
 _SCAN_CHUNK = 64 << 10
 _SMALL_VALUE = 8 << 10
+
+
+class WriteQueue(deque[tuple[Any, ...]]):
+    """The writer's queue: references (namespace_id, address, generation, length) to inserted values,
+    and copies (namespace_id, address, mode_id, digest, bytes) of values evicted before they were
+    written. Counts the referenced bytes and when it last went from empty to not, for the lag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unwritten = 0
+        self.since = 0.0
+
+    def append(self, item: tuple[Any, ...]) -> None:
+        if not self:
+            self.since = time.monotonic()
+        super().append(item)
+        if len(item) == 4:
+            self.unwritten += item[3]
+
+    def clear(self) -> None:
+        super().clear()
+        self.unwritten = 0
 
 
 class _Job(NamedTuple):
@@ -126,7 +158,10 @@ class DiskTier:
         self._segment_bytes = segment_bytes
         self._spill_limit = memory_capacity // 8
         self._batch_bytes = max(1, min(_BATCH_BYTES, memory_capacity // 16))
-        self.queue: deque[tuple[Any, ...]] = deque()
+        self.queue = WriteQueue()
+        self._lag_bytes = memory_capacity // 2
+        self._last_put = 0.0
+        self._flush = 0  # drain() callers waiting: no lag
         self._pending_copies = 0  # bytes of evicted values waiting in the queue
         self._segments: dict[int, Segment] = {}
         self._active: dict[str, Segment] = {}  # tenant dir name -> the segment appended to
@@ -270,6 +305,8 @@ class DiskTier:
     # -- the write path --------------------------------------------------------
 
     def wake(self) -> None:
+        """A put inserted values: the writer takes them once puts pause (or the lag is used up)."""
+        self._last_put = time.monotonic()
         self._wakeup.set()
 
     def spill_evicted(self, ns: Namespace, address: BlockAddress, entry: Entry) -> None:
@@ -288,12 +325,28 @@ class DiskTier:
         """Wait until everything queued so far is written (or the tier is off); False on timeout. For
         tests, benchmarks and close: puts never call it."""
         deadline = time.monotonic() + timeout
-        while self.queue or self._busy:
-            if self.degraded or time.monotonic() > deadline:
-                return self.degraded
-            self._wakeup.set()
-            time.sleep(0.002)
-        return True
+        self._flush += 1
+        try:
+            while self.queue or self._busy:
+                if self.degraded or time.monotonic() > deadline:
+                    return self.degraded
+                self._wakeup.set()
+                time.sleep(0.002)
+            return True
+        finally:
+            self._flush -= 1
+
+    def _lagging(self) -> bool:
+        """Whether to leave the queue to the puts a little longer (write-behind, bounded)."""
+        queue = self.queue
+        if not queue or self._flush or self._stopping or self._pending_copies:
+            return False
+        now = time.monotonic()
+        return (
+            now - self._last_put < QUIET_S
+            and queue.unwritten < self._lag_bytes
+            and now - queue.since < MAX_LAG_S
+        )
 
     def _run(self) -> None:
         # The writer runs niced: puts and Gets get the CPU first (on a busy host the copy into the page
@@ -304,9 +357,12 @@ class DiskTier:
             self._wakeup.wait(0.05)
             self._wakeup.clear()
             try:
+                # Once it starts, the writer catches up on the whole queue (a sustained load keeps it
+                # writing beside the puts: write-through in the background).
                 self._busy = True
-                while self._write_batch():
-                    pass
+                if not self._lagging():
+                    while self._write_batch():
+                        pass
             except Exception:  # a bug must not kill the writer silently: turn the tier off instead
                 log.exception("disk tier: writer failed")
                 self._degrade("writer", self.path, OSError(errno.EIO, "internal error in the writer"))
@@ -328,8 +384,9 @@ class DiskTier:
                 self._pending_copies -= len(item[4])
             if (item[0], item[1]) in taken:
                 continue
-            if len(item) == 3:
-                ns_id, address, generation = item
+            if len(item) == 4:
+                ns_id, address, generation, length = item
+                queue.unwritten -= length
                 ns = namespaces.get(ns_id)
                 entry = ns.entries.get(address) if ns is not None else None
                 if entry is None or entry.slot.generation != generation or entry.disk is not None:

@@ -521,7 +521,9 @@ class MemoryBackend:
                     for ns in self._namespaces.values():
                         for address, entry in ns.entries.items():
                             if entry.disk is None:
-                                disk.queue.append((ns.namespace_id, address, entry.slot.generation))
+                                disk.queue.append(
+                                    (ns.namespace_id, address, entry.slot.generation, entry.slot.length)
+                                )
             disk.close()
         with self._lock:
             self._namespaces.clear()

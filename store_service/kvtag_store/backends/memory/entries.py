@@ -172,7 +172,8 @@ class Namespace:
         # (no object per key beyond the key bytes), and the keys Lookups found only there.
         self.disk: dict[bytes, int] = {}
         self.disk_hit_count = 0
-        # The disk writer's queue, when the disk tier is on: each insert appends its reference.
+        # The disk writer's queue (disk.tier.WriteQueue), when the disk tier is on: each insert appends
+        # its reference (namespace_id, address, generation, length).
         self.spill: deque[tuple[object, ...]] | None = None
         # When a session last named the namespace (time.monotonic()), and puts between taking their
         # slots and inserting them: forget_namespaces keeps a namespace either says is in use.
@@ -226,7 +227,7 @@ class Namespace:
             return ALREADY_PRESENT
         self.entries[address] = Entry(mode_id, self.arena, slot, digest, disk)
         if disk is None and self.spill is not None:
-            self.spill.append((self.namespace_id, address, slot.generation))
+            self.spill.append((self.namespace_id, address, slot.generation, slot.length))
         self.note_changed(address)
         pool.lru[(self.namespace_id, address)] = None
         self.used_bytes += slot.length
