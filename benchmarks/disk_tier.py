@@ -2,7 +2,9 @@
 
 - 1 MiB Gets of disk-resident blocks (after a restart, page cache dropped with posix_fadvise
   DONTNEED) vs a plain sequential read of the same segment files, caches dropped the same way;
-- put throughput with the disk tier on vs off (same server, same values, interleaved);
+- put throughput with the disk tier on vs off (same values, interleaved runs): a burst within the
+  writer's lag (half the memory capacity: puts run alone), a burst past it (the writer copies beside
+  the puts) and a sustained load of 4x memory, each with what reached the disk;
 - a restart on 100,000 small records: the index rebuild in us per record, and the time from the
   server process's start to the first Lookup hit served;
 - memory per disk-resident key (tracemalloc around opening the backend on those records).
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -37,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the repository, for tests.*
 
 MiB = 1 << 20
-PUT_REPEATS = 3  # interleaved off/on runs: this host is shared, one run alone says little
+PUT_REPEATS = 5  # interleaved off/on runs: this host is shared, one run alone says little
 GET_REPEATS = 3
 PER_CALL = 16  # blocks per put and per Get, as a connector batches a request's blocks
 
@@ -84,6 +87,9 @@ def serve(args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def server(root: Path, capacity: int, disk: bool, prefault: str = "full") -> Iterator[dict[str, Any]]:
     port = _free_port()
+    # The arena in a tmpfs, as deployed: on the disk's file system its pages would be written back
+    # (and re-dirtied by puts) like any file's.
+    shm = tempfile.mkdtemp(prefix="kvtag-disk-bench-", dir="/dev/shm")
     command = [
         sys.executable,
         __file__,
@@ -93,7 +99,7 @@ def server(root: Path, capacity: int, disk: bool, prefault: str = "full") -> Ite
         "--capacity",
         str(capacity),
         "--shm-dir",
-        str(root / "shm"),
+        shm,
         "--prefault",
         prefault,
     ]
@@ -113,6 +119,7 @@ def server(root: Path, capacity: int, disk: bool, prefault: str = "full") -> Ite
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def client(address: str, data_path: str = "auto") -> Any:
@@ -168,30 +175,65 @@ def sequential_read(directory: Path) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
-    """1 MiB Gets of disk-resident blocks vs a sequential read; puts with the tier on vs off."""
+def put_runs(root: Path, name: str, blocks: int, capacity: int) -> dict[str, Any]:
+    """Puts of `blocks` 1 MiB values into a store of `capacity`, tier off and on in turn (three pairs),
+    and what the tier holds 2 s after the puts stop."""
     values = [os.urandom(MiB) for _ in range(16)]  # reused: 16 distinct 1 MiB values, out of cache
     items = [(0, f"block-{i}".encode(), values[i % 16], b"") for i in range(blocks)]
-    capacity = blocks * MiB + (64 * MiB)  # every put fits: the comparison is the writer's cost alone
     puts: dict[str, list[float]] = {"off": [], "on": []}
+    on_disk: list[int] = []
     for repeat in range(PUT_REPEATS):
         for mode in ("off", "on"):
-            run = root / f"put-{mode}-{repeat}"
-            (run / "shm").mkdir(parents=True)
+            run = root / f"{name}-{mode}-{repeat}"
+            run.mkdir(parents=True)
             with server(run, capacity, disk=mode == "on") as info:
                 c = client(info["address"])
                 assert c.open(), "the client could not open a session"
+                os.sync()  # the previous run's files written back first: the kernel's flush is not this run's
                 time.sleep(1.0)  # let the up-front prefault settle
                 start = time.perf_counter()
                 for n in range(0, blocks, PER_CALL):
                     c.put(items[n : n + PER_CALL])
                 puts[mode].append(blocks * MiB / (time.perf_counter() - start) / 1e9)
+                if mode == "on":
+                    time.sleep(2.0)  # the writer catches up once puts stop
+                    on_disk.append(disk_tier_keys(info["address"]))
                 c.close()
-    median_on, median_off = statistics.median(puts["on"]), statistics.median(puts["off"])
-    best_on, best_off = max(puts["on"]), max(puts["off"])
+    return {
+        "blocks": blocks,
+        "memory_capacity_bytes": capacity,
+        "put_GBps_disk_off": [round(x, 3) for x in puts["off"]],
+        "put_GBps_disk_on": [round(x, 3) for x in puts["on"]],
+        "put_on_vs_off_median": round(statistics.median(puts["on"]) / statistics.median(puts["off"]), 3),
+        "put_on_vs_off_best": round(max(puts["on"]) / max(puts["off"]), 3),
+        "disk_keys_2s_after": on_disk,
+    }
 
-    # Gets: the last "on" run's records, served after a restart with the page cache dropped.
-    run = root / f"put-on-{PUT_REPEATS - 1}"
+
+def puts(root: Path, blocks: int) -> dict[str, Any]:
+    """The writer lags behind puts until the unwritten values pass half the memory capacity: a burst
+    within that runs alone, one past it shares the cores with the writer, and a sustained load of 4x
+    memory writes what the writer can keep up with (the rest is evicted unwritten, counted)."""
+    return {
+        "burst_within_lag": put_runs(root, "burst", blocks, 2 * blocks * MiB + 64 * MiB),
+        "burst_past_lag": put_runs(root, "past", blocks, blocks * MiB + 64 * MiB),
+        "sustained_4x_memory": put_runs(root, "sustained", 4 * blocks, blocks * MiB),
+    }
+
+
+def gets(root: Path, blocks: int) -> dict[str, Any]:
+    """1 MiB Gets of disk-resident blocks, after a restart with the page cache dropped, against a plain
+    sequential read of the same segment files."""
+    values = [os.urandom(MiB) for _ in range(16)]
+    items = [(0, f"get-{i}".encode(), values[i % 16], b"") for i in range(blocks)]
+    run = root / "gets"
+    run.mkdir(parents=True)
+    with server(run, blocks * MiB + 64 * MiB, disk=True) as info:
+        c = client(info["address"])
+        assert c.open(), "the client could not open a session"
+        for n in range(0, blocks, PER_CALL):
+            c.put(items[n : n + PER_CALL])
+        c.close()  # SIGTERM on leaving: the close writes every value to the tier
     on_disk = drop_cache(run / "disk")
     sink_buffer = bytearray(MiB)
 
@@ -224,11 +266,22 @@ def get_and_put(root: Path, blocks: int) -> dict[str, Any]:
         "get_disk_resident_GBps": [round(x, 3) for x in gets],
         "sequential_read_GBps": [round(x, 3) for x in reads],
         "get_vs_read_median": round(statistics.median(ratios), 3),
-        "put_GBps_disk_off": [round(x, 3) for x in puts["off"]],
-        "put_GBps_disk_on": [round(x, 3) for x in puts["on"]],
-        "put_on_vs_off_median": round(median_on / median_off, 3),
-        "put_on_vs_off_best": round(best_on / best_off, 3),
     }
+
+
+def disk_tier_keys(address: str) -> int:
+    """The disk row's keys, from GetStats (the bench server has no tokens: all admins)."""
+    import grpc
+    from kvtag.v1 import store_pb2 as pb
+    from kvtag.v1 import store_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub: Any = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        stats = stub.GetStats(pb.GetStatsRequest(), timeout=30)
+    for tier in stats.tiers:
+        if tier.tier == "disk":
+            return int(tier.keys)
+    raise SystemExit("no disk tier in GetStats")
 
 
 def restart(root: Path, records: int) -> dict[str, Any]:
@@ -319,15 +372,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtag-disk-bench-", dir="/var/tmp") as tmp:
         root = Path(tmp)
         report: dict[str, Any] = {"commit": git_describe(), "load_average_before": load_before}
-        report["get_and_put"] = get_and_put(root, args.blocks)
+        report["get"] = gets(root, args.blocks)
+        report["put"] = puts(root, args.blocks)
         report["restart"] = restart(root, args.records)
         report["load_average_after"] = os.getloadavg()
         report["file_system"] = subprocess.run(
             ["df", "--output=fstype", "/var/tmp"], capture_output=True, text=True, check=False
         ).stdout.split()[-1]
     targets = {
-        "get_vs_read (median) >= 0.5": report["get_and_put"]["get_vs_read_median"] >= 0.5,
-        "put_on_vs_off (median) >= 0.9": report["get_and_put"]["put_on_vs_off_median"] >= 0.9,
+        "get_vs_read (median) >= 0.5": report["get"]["get_vs_read_median"] >= 0.5,
+        "put_on_vs_off, burst within the lag (median) >= 0.9": report["put"]["burst_within_lag"][
+            "put_on_vs_off_median"
+        ]
+        >= 0.9,
+        "put_on_vs_off, burst past the lag (median) >= 0.9": report["put"]["burst_past_lag"][
+            "put_on_vs_off_median"
+        ]
+        >= 0.9,
+        "put_on_vs_off, sustained 4x memory (median) >= 0.9": report["put"]["sustained_4x_memory"][
+            "put_on_vs_off_median"
+        ]
+        >= 0.9,
         "rebuild_us_per_record <= 10": report["restart"]["rebuild_us_per_record"] <= 10,
         "first hit <= 2 s": (report["restart"]["first_hit_s_from_process_start"] or 99) <= 2,
         "memory per key <= 200 B": report["restart"]["memory_bytes_per_disk_key"] <= 200,
