@@ -228,9 +228,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag(
         "--prefault",
         SERVE.prefault,
-        "memory backend: full touches the capacity's pages from the first session on, in the background "
-        "(RSS = capacity after it settles); lazy touches only a window ahead of use (RSS grows with use, "
-        "and a put may wait for first touches)",
+        "memory backend: full allocates the capacity's pages from the first session on, in the background "
+        "(the memory is committed once it settles: in a tmpfs shm dir it shows in the arena files, "
+        "du /dev/shm/kvtag-*, not in RSS); lazy touches only a window ahead of use (memory grows with "
+        "use, and a put may wait for first touches)",
         choices=["full", "lazy"],
     )
     flag(
