@@ -41,3 +41,19 @@ def test_a_closed_log_frees_its_deque_and_takes_no_more_records() -> None:
     for _ in range(200):  # the dead logs' shelf entries age out as no-ops
         shelf.add(live, b"y")
     assert len(live) == 16 and len(shelf) == 100
+
+
+def test_logs_hold_a_deque_only_while_they_hold_records() -> None:
+    """Most logs never get a record (three per namespace and mode): they must cost no deque, and one
+    the shelf emptied gives its deque up, so deques never outnumber the records kept."""
+    shelf = RecordShelf(max_records=50)
+    logs: list[RecordLog[int]] = [RecordLog(limit=4) for _ in range(200)]
+    assert len({id(log._items) for log in logs}) == 1, "empty logs share one deque that holds nothing"
+    for n, log in enumerate(logs):
+        shelf.add(log, n)
+    holding = [log for log in logs if log]
+    assert len(holding) == 50 and [next(iter(log)) for log in holding] == list(range(150, 200))
+    assert len({id(log._items) for log in logs}) == 51, "the 150 emptied logs gave their deques up"
+    assert all(log.forgotten == 1 for log in logs[:150])
+    shelf.add(logs[0], 7)  # an emptied log takes records again
+    assert list(logs[0]) == [7]
