@@ -26,12 +26,13 @@ is free). Both Get paths need its bytes in a slot anyway (the shared-memory read
 slot, the inline reply is built from it), so promoting costs nothing beyond that slot, and a block
 read once is likely read again (a shared prefix).
 
-Costs (benchmarks/results/disk_tier.json, one run on a shared 2-core host): the rebuild costs
-4.5 us a record (100,000 records: first Lookup hit 0.82 s after the process started); an index
-entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of disk-resident 1 MiB blocks ran
-at 0.64x a plain sequential read of the same files, caches dropped for both. Puts with the tier on
-ran at 0.55x off when the writer copied beside every put (write-through); the put ratios with
-the lag are in the results file.
+Costs (benchmarks/results/disk_tier.json, one run at f36f8ba on a shared 2-core host): the rebuild
+costs 5.2 us a record (100,000 records: first Lookup hit 0.91 s after the process started); an
+index entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of disk-resident 1 MiB blocks
+ran at 0.92x a plain sequential read of the same files, caches dropped for both (0.43-0.92x over
+five runs: the read's speed swings). Puts with the tier on against off: 1.00x for a burst within
+the lag, 0.72x past it, 0.55x for a sustained 4x-memory load (the writer's copy shares the cores;
+0.55x was also the figure when it copied beside every put, before the lag).
 
 Faults: any OSError writing or reading the tier turns the tier off (one warning, counted, degraded
 with the reason); the store then serves from memory only.
