@@ -15,6 +15,7 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 
+from kvtag_store import heap
 from kvtag_store.api import codec, intake, replies, validation
 from kvtag_store.api.admission import Admission
 from kvtag_store.api.calls import Calls, rpc
@@ -143,6 +144,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.metrics.namespaces_forgotten.inc(len(forgotten))
         if self.capabilities.forgetting is not None:
             self.capabilities.forgetting.forget_namespaces(forgotten, idle_since)
+        if forgotten:
+            heap.give_back()  # what the forgotten namespaces' calls left free (kvtag_store.heap)
 
     # -- sessions -----------------------------------------------------------
 
