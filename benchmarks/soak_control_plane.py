@@ -9,7 +9,8 @@ Two phases, each against a fresh `kvtag-store serve` process (RSS read from /pro
    second half of the run (100,000 RPCs by default, ~3 min).
 2. abandon: ABANDON sessions opened in distinct namespaces (half closed, the rest left to
    expire), then RSS and the time of Diagnose's first page at that many namespaces, and RSS once
-   the retention window has passed.
+   the retention window has passed; ABANDON_ROUNDS times over (3 by default), so that a leak
+   shows as growth from round to round and the allocators' high-water mark as a level.
 
 Writes benchmarks/results/soak_control_plane.json. `make soak` runs it; SOAK_ARGS passes flags.
 """
@@ -265,7 +266,10 @@ def part_quarter(
     )
 
 
-def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
+def abandon(server: Server, count: int, retention_s: float, rounds: int) -> dict[str, Any]:
+    """`rounds` times: open `count` namespaces (half the sessions closed, half left to expire), then
+    wait out the retention window. Later rounds show whether what the first left behind is a leak or
+    the allocators' high-water mark, reused."""
     cold = server.rss()[0]
     # The pre-run figure is the warmed store's: the first session creates the shared pool's arena,
     # prefaulted to --capacity up front (data-plane memory the run does not add to).
@@ -279,19 +283,68 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
     time.sleep(5)
     before = server.rss()[0]
     before_parts = server.parts()
-    started = time.monotonic()
-    for i in range(count):
-        opened = server.stub.OpenSession(
-            pb.OpenSessionRequest(
-                engine_id=f"e{i}", namespace=namespace(model=f"abandoned-{i}"), mode=mode(), probe_keys=PROBE
-            ),
-            timeout=10,
+    each: list[dict[str, Any]] = []
+    for r in range(rounds):
+        started = time.monotonic()
+        for i in range(count):
+            opened = server.stub.OpenSession(
+                pb.OpenSessionRequest(
+                    engine_id=f"e{i}",
+                    namespace=namespace(model=f"abandoned-{r}-{i}"),
+                    mode=mode(),
+                    probe_keys=PROBE,
+                ),
+                timeout=10,
+            )
+            if i % 2 == 0:
+                server.stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
+        opened_s = time.monotonic() - started
+        full = server.rss()[0]
+        full_parts = server.parts()
+        if r == 0:
+            diagnose = diagnose_pages(server)
+        # Sessions expire, the window passes, and the next sweep (every quarter window, at most 30 s) runs.
+        time.sleep(retention_s + min(30.0, retention_s / 4) + 5)
+        each.append(
+            {
+                "open_seconds": round(opened_s, 1),
+                "rss_with_namespaces_mib": round(full, 1),
+                "rss_after_retention_mib": round(server.rss()[0], 1),
+                "parts_with_namespaces": full_parts,
+                "parts_after_retention": server.parts(),
+                "namespaces_listed_after": server.stub.Diagnose(
+                    pb.DiagnoseRequest(), timeout=60
+                ).total_namespaces,
+            }
         )
-        if i % 2 == 0:
-            server.stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
-    opened_s = time.monotonic() - started
-    full = server.rss()[0]
-    full_parts = server.parts()
+        print(json.dumps({"round": r + 1, **each[-1]}), flush=True)
+    first, last = each[0], each[-1]
+    return {
+        "namespaces": count,
+        "rounds": rounds,
+        "open_seconds": first["open_seconds"],
+        "rss_cold_mib": round(cold, 1),
+        "rss_before_mib": round(before, 1),
+        "rss_with_namespaces_mib": first["rss_with_namespaces_mib"],
+        "rss_after_retention_mib": first["rss_after_retention_mib"],
+        "after_vs_before": round(first["rss_after_retention_mib"] / before - 1, 4),
+        "parts_before": before_parts,
+        "parts_with_namespaces": first["parts_with_namespaces"],
+        "parts_after_retention": first["parts_after_retention"],
+        "memory_after_vs_before": round(
+            first["parts_after_retention"]["memory_mib"] / before_parts["memory_mib"] - 1, 4
+        ),
+        "memory_last_round_after_vs_first": round(
+            last["parts_after_retention"]["memory_mib"] / first["parts_after_retention"]["memory_mib"] - 1, 4
+        ),
+        "namespaces_listed_after": last["namespaces_listed_after"],
+        "each_round": each,
+        **diagnose,
+    }
+
+
+def diagnose_pages(server: Server) -> dict[str, Any]:
+    """The first page's latency with every namespace present, then a walk of every page."""
     timings = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -307,24 +360,7 @@ def abandon(server: Server, count: int, retention_s: float) -> dict[str, Any]:
         if not answer.next_page_token:
             break
         request.page_token = answer.next_page_token
-    # Sessions expire, the window passes, and the next sweep (every quarter window, at most 30 s) runs.
-    time.sleep(retention_s + min(30.0, retention_s / 4) + 5)
-    after = server.rss()[0]
-    after_parts = server.parts()
-    listed = server.stub.Diagnose(pb.DiagnoseRequest(), timeout=60).total_namespaces
     return {
-        "namespaces": count,
-        "open_seconds": round(opened_s, 1),
-        "rss_cold_mib": round(cold, 1),
-        "rss_before_mib": round(before, 1),
-        "rss_with_namespaces_mib": round(full, 1),
-        "rss_after_retention_mib": round(after, 1),
-        "after_vs_before": round(after / before - 1, 4),
-        "parts_before": before_parts,
-        "parts_with_namespaces": full_parts,
-        "parts_after_retention": after_parts,
-        "memory_after_vs_before": round(after_parts["memory_mib"] / before_parts["memory_mib"] - 1, 4),
-        "namespaces_listed_after": listed,
         "diagnose_first_page_ms": {
             "median": round(statistics.median(timings), 1),
             "all": [round(t, 1) for t in timings],
@@ -342,6 +378,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--abandon", type=int, default=20_000)
+    parser.add_argument("--abandon-rounds", type=int, default=3, help="abandon phases, one after another")
     parser.add_argument("--census-retention", default="5s", help="the fuzz's window (seconds)")
     parser.add_argument(
         "--abandon-retention", default="90s", help="the abandon phase's window: longer than opening takes"
@@ -388,7 +425,9 @@ def main() -> int:
         ]
         server = Server(wide)
         try:
-            result["abandon"] = abandon(server, args.abandon, int(args.abandon_retention.rstrip("s")))
+            result["abandon"] = abandon(
+                server, args.abandon, int(args.abandon_retention.rstrip("s")), args.abandon_rounds
+            )
         finally:
             server.stop()
         print(json.dumps(result["abandon"], indent=1))

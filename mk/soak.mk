@@ -1,5 +1,5 @@
 # `make soak`: the control plane's memory soak (benchmarks/soak_control_plane.py), outside `make test`
-# (minutes): by default the issue's 100,000-RPC fuzz and 20,000 abandoned namespaces (~8 min).
+# (minutes): by default the issue's 100,000-RPC fuzz and three rounds of 20,000 abandoned namespaces (~12 min).
 # SOAK_ARGS passes flags, e.g. SOAK_ARGS="--rpcs 30000 --abandon 5000".
 # `make soak-arena-churn`: put throughput at full capacity (every put evicts), in process.
 SOAK_ARGS ?=
