@@ -9,15 +9,14 @@ its ordinary trimming from the top never reaches. `malloc_trim` returns those fr
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim: Callable[[int], int] = libc.malloc_trim
+        # The symbols the interpreter already has loaded: glibc's when it is the C library (no lookup
+        # of library files, which ctypes.util does with a subprocess).
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
     return trim
