@@ -57,3 +57,22 @@ def test_logs_hold_a_deque_only_while_they_hold_records() -> None:
     assert all(log.forgotten == 1 for log in logs[:150])
     shelf.add(logs[0], 7)  # an emptied log takes records again
     assert list(logs[0]) == [7]
+
+
+def test_dropping_closed_logs_leaves_only_the_live_logs_entries() -> None:
+    """After a sweep forgets namespaces their logs' shelf entries go at once, not as newer records
+    push them out (until then they keep every forgotten log alive)."""
+    shelf = RecordShelf(max_records=100)
+    gone: list[RecordLog[int]] = [RecordLog(limit=4) for _ in range(10)]
+    kept: RecordLog[int] = RecordLog(limit=4)
+    for n, log in enumerate(gone):
+        shelf.add(log, n)
+        shelf.add(kept, n)
+    for log in gone:
+        log.close()
+    assert len(shelf) == 20
+    shelf.drop_closed()
+    assert len(shelf) == 10 and list(kept) == [6, 7, 8, 9]
+    for n in range(100):  # the bound still counts the live log's own entries
+        shelf.add(kept, n)
+    assert len(shelf) == 100 and list(kept) == [96, 97, 98, 99]

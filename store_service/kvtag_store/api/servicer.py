@@ -9,7 +9,7 @@ The servicer assembles those parts over one BlockBackend, whose extra capabiliti
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from kvtag.v1 import store_pb2 as pb
@@ -109,6 +109,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         )
         self.writes = Writes(backend, self.sessions, counting, self.base_index, value_limit, self.limits)
         self.reaper = Reaper.for_ttl(self.reap, config.session_ttl_ms)
+        # Told the namespaces each sweep forgot, so what they keep per namespace goes with the census's.
+        self.forget_listeners: list[Callable[[list[str]], None]] = []
         metrics.watch(backend.stats, self.census.live_sessions)
         metrics.watch_census(self.census.namespace_count)
         if self.capabilities.forgetting is not None:
@@ -144,6 +146,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.metrics.namespaces_forgotten.inc(len(forgotten))
         if self.capabilities.forgetting is not None:
             self.capabilities.forgetting.forget_namespaces(forgotten, idle_since)
+        for listener in self.forget_listeners if forgotten else ():
+            listener(forgotten)
         if forgotten:
             heap.give_back()  # what the forgotten namespaces' calls left free (kvtag_store.heap)
 

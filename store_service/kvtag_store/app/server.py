@@ -181,6 +181,7 @@ def start_server(
     metrics_address = ""
     metrics.registry.register(CensusCollector(service.census.report))
     history = HitRateHistory(service.census.report, interval_s=history_interval_s)
+    service.forget_listeners.append(history.forget)
     if metrics_listen:
         source = StatusSource(service.census.report, backend.stats, history, pages=service.pages)
         app = status_http.status_app(source, metrics.registry, status_gate)

@@ -293,6 +293,8 @@ class Census:
                     forgotten.append(ns_id)
                 else:
                     self._prune_modes_locked(state, horizon)
+            if forgotten:
+                self._shelf.drop_closed()
         if forgotten and isinstance(self._store, ForgettingCensusStore):
             for ns_id in forgotten:
                 self._store.forget_namespace(ns_id)

@@ -87,5 +87,10 @@ class RecordShelf:
                 if not oldest._items:
                     oldest._items = _NONE  # so deques never outnumber the records kept
 
+    def drop_closed(self) -> None:
+        """Let go of the entries of closed logs now, rather than when newer records push them out:
+        after a sweep forgets many namespaces, those entries are all that keeps their logs alive."""
+        self._order = deque(log for log in self._order if not log.dead)
+
     def __len__(self) -> int:
         return len(self._order)
