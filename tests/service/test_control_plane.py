@@ -129,6 +129,21 @@ def test_forgotten_namespaces_leave_the_hit_rate_history_at_the_sweep(make_store
     assert not listed(store)
 
 
+def test_a_mode_that_looked_up_nothing_keeps_no_history_until_it_does(make_store: ServerFactory) -> None:
+    """20,000 namespaces opened and left idle must not hold a series each (~1 KiB) for an hour."""
+    store = short_lived(make_store)
+    idle, busy = store.open(ns=namespace(model="idle")), store.open(ns=namespace(model="busy"))
+    store.lookup(busy.session_id, b"missing")
+    history = HitRateHistory(store.server.service.census.report)
+    history.sample()
+    assert history.series(idle.namespace_id, idle.mode_id) == []
+    assert [p.misses for p in history.series(busy.namespace_id, busy.mode_id)] == [1]
+    store.lookup(idle.session_id, b"missing")
+    history.sample()
+    history.sample()  # a quiet interval after the first key shows as a zero point, not as nothing
+    assert [p.misses for p in history.series(idle.namespace_id, idle.mode_id)] == [1, 0]
+
+
 # -- caps ------------------------------------------------------------------------------------------
 
 

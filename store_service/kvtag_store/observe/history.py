@@ -68,8 +68,9 @@ class HitRateHistory:
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
-        """Append one point per known mode: the counter deltas since the previous sample. Series of
-        modes the census no longer reports (forgotten namespaces, pruned modes) go."""
+        """Append one point per known mode that has looked up a key: the counter deltas since the
+        previous sample. Series of modes the census no longer reports (forgotten namespaces, pruned
+        modes) go."""
         report = self._read()
         at = int(time.time() * 1000)
         seen: set[tuple[str, str]] = set()
@@ -80,6 +81,8 @@ class HitRateHistory:
                     key = (ns.namespace_id, mode.mode_id)
                     seen.add(key)
                     totals = (c.hits, c.misses, c.mode_mismatches, c.cross_mode_misses)
+                    if key not in self._series and not any(totals):
+                        continue  # no key looked up yet: no series (a burst of idle namespaces costs none)
                     last = self._last.get(key, (0, 0, 0, 0))
                     self._last[key] = totals
                     deltas = [max(0, now - before) for now, before in zip(totals, last, strict=True)]

@@ -10,50 +10,48 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
-
-# What a log holds before its first record and after it is closed: one shared deque that cannot hold
-# anything (maxlen 0). An empty deque costs ~600 bytes (its first block), and most logs stay empty: a
-# namespace has three per mode (engines, refusals, disagreements), so 5,000 namespaces opened once
-# held 10.9 MiB of empty deques, half their census; closed logs the shelf still names cost only their
-# slots until its entries age out.
-_NONE: deque[Any] = deque(maxlen=0)
 
 # Records the census keeps store-wide, across every log.
 MAX_RECORDS = 8192
 
 
 class RecordLog(Generic[T]):
-    """One namespace's (or mode's) records, newest last."""
+    """One namespace's (or mode's) records, newest last.
+
+    The records sit in a plain list, and only while there are any: most logs never get one (a
+    namespace has three per mode: engines, refusals, disagreements), and a deque costs ~600 bytes
+    from its first record (5,000 namespaces opened once held 10.9 MiB of empty deques). A log holds
+    at most `limit` (16 or 32) records, so dropping the oldest from a list's front is cheap.
+    """
 
     __slots__ = ("_items", "_skipped", "dead", "forgotten", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._items: deque[T] = _NONE
+        self._items: list[T] | None = None
         # Shelf entries of records this log already dropped by its own limit.
         self._skipped = 0
         self.forgotten = 0
         self.dead = False
 
     def __iter__(self) -> Iterator[T]:
-        return iter(self._items)
+        return iter(self._items or ())
 
     def __reversed__(self) -> Iterator[T]:
-        return reversed(self._items)
+        return reversed(self._items or ())
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items or ())
 
     def __bool__(self) -> bool:
         return bool(self._items)
 
     def close(self) -> None:
-        """The log's owner is forgotten: free its records and their deque now (its shelf entries become
-        no-ops)."""
-        self._items = _NONE
+        """The log's owner is forgotten: free its records now (its shelf entries become no-ops)."""
+        self._items = None
         self.dead = True
 
 
@@ -67,12 +65,12 @@ class RecordShelf:
     def add(self, log: RecordLog[T], item: T) -> None:
         if log.dead:
             return
-        if log._items is _NONE:
-            log._items = deque()
+        if log._items is None:
+            log._items = []
         log._items.append(item)
         self._order.append(log)  # type: ignore[arg-type]
         if len(log._items) > log.limit:
-            log._items.popleft()
+            del log._items[0]
             log._skipped += 1
             log.forgotten += 1
         if len(self._order) > self._max:
@@ -82,10 +80,10 @@ class RecordShelf:
             if oldest._skipped:
                 oldest._skipped -= 1
             elif oldest._items:
-                oldest._items.popleft()
+                del oldest._items[0]
                 oldest.forgotten += 1
                 if not oldest._items:
-                    oldest._items = _NONE  # so deques never outnumber the records kept
+                    oldest._items = None  # so lists never outnumber the records kept
 
     def drop_closed(self) -> None:
         """Let go of the entries of closed logs now, rather than when newer records push them out:
