@@ -7,6 +7,7 @@ wait long; the rules are the same at the defaults."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 from kvtag_store.config import Caps, ServiceLimits
+from kvtag_store.observe.diagnose_pages import _PackedIds
 from kvtag_store.observe.history import HitRateHistory
 from kvtag_store.observe.status import StatusSource, View, hit_rate_if_aligned
 
@@ -195,6 +197,17 @@ def test_the_session_caps_refuse_with_their_reason_and_spare_other_tenants(make_
 
 
 # -- Diagnose pages -----------------------------------------------------------------------------
+
+
+def test_a_listing_snapshot_keeps_none_of_the_census_id_strings_alive() -> None:
+    """A page walk's snapshot lasts minutes; holding the census's own id strings would keep every
+    forgotten namespace's id, and the interpreter arenas they sit in, until it expires."""
+    listed_ids = [f"ns-{n:016x}" for n in range(1000)]
+    references = [sys.getrefcount(ns_id) for ns_id in listed_ids]
+    packed = _PackedIds(listed_ids)
+    assert [sys.getrefcount(ns_id) for ns_id in listed_ids] == references
+    assert len(packed) == 1000 and [packed[n] for n in range(1000)] == listed_ids
+    assert len(_PackedIds([])) == 0
 
 
 def test_diagnose_pages_cover_every_namespace_exactly_once_within_the_message_limit(

@@ -3,8 +3,8 @@
 The first page fixes the order (census.order: splits, refusals, activity) in a snapshot of
 namespace ids; the page token names the snapshot and the position in it, so following the tokens
 visits every namespace that still exists exactly once even while the census changes. Snapshots are
-few and short-lived (SNAPSHOTS, SNAPSHOT_TTL_S), and hold ids only: their memory is bounded by
-SNAPSHOTS x --max-namespaces ids.
+few and short-lived (SNAPSHOTS, SNAPSHOT_TTL_S), and hold ids only, packed into one string: their
+memory is bounded by SNAPSHOTS x --max-namespaces ids, and it goes back to the system whole.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtag.v1 import store_pb2 as pb
@@ -30,10 +31,35 @@ SNAPSHOT_TTL_S = 300.0
 _FRAMING = 8
 
 
+class _PackedIds:
+    """Namespace ids in one string and an array of their ends. A tuple of the census's own id
+    strings would keep them alive after their namespaces are forgotten, for the snapshot's five
+    minutes: 20,000 of them, scattered, kept ~50 MiB of the interpreter's small-object arenas from
+    going back to the system."""
+
+    __slots__ = ("_ends", "_text")
+
+    def __init__(self, ids: Iterable[str]) -> None:
+        parts: list[str] = []
+        self._ends = array("Q")
+        end = 0
+        for ns_id in ids:
+            parts.append(ns_id)
+            end += len(ns_id)
+            self._ends.append(end)
+        self._text = "".join(parts)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int) -> str:
+        return self._text[self._ends[index - 1] if index else 0 : self._ends[index]]
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     query: tuple[str, str]  # (namespace_id, filter) it was made for
-    namespace_ids: tuple[str, ...]
+    namespace_ids: _PackedIds
     expires: float
 
 
@@ -97,7 +123,7 @@ class DiagnosePager:
 
         everything = not namespace_id and may_see is None and not needle
         ordered = self._census.order(None if everything else wanted)
-        snapshot = _Snapshot(query, tuple(ordered), self._clock() + SNAPSHOT_TTL_S)
+        snapshot = _Snapshot(query, _PackedIds(ordered), self._clock() + SNAPSHOT_TTL_S)
         snapshot_id = secrets.token_hex(8)
         with self._lock:
             self._expire_locked()
