@@ -185,7 +185,7 @@ class Census:
         if refusal is not None:
             record.refusal.CopyFrom(refusal)
         with self._lock:
-            self._shelf.add(state.refused, record)
+            self._shelf.add(state.refused, record, record.ByteSize())
             if self._namespaces.get(state.namespace_id) is state:
                 self._troubled.add(state.namespace_id)
             self.refusals_total["MODE_REFUSED" if refusal is not None else "PROBE_DISAGREEMENT"] += 1
@@ -216,7 +216,7 @@ class Census:
             f"never share hits ({verdict}); {cause}"
         )
         with self._lock:
-            self._shelf.add(state.disagreements, record)
+            self._shelf.add(state.disagreements, record, record.ByteSize())
             if self._namespaces.get(ns_id) is state:
                 self._troubled.add(ns_id)
         if state.policy == pb.POLICY_STRICT:
@@ -254,7 +254,8 @@ class Census:
             mode_state = state.modes.get(session.mode_id) if state else None
             if mode_state is not None and mode_state.live.pop(session.session_id, None) is not None:
                 assert state is not None
-                self._shelf.add(mode_state.recent, gone_record(session))
+                gone = gone_record(session)
+                self._shelf.add(mode_state.recent, gone, gone.ByteSize())
                 mode_state.last_active_ms = self._touch(session.namespace_id, state)
                 if not state.split():
                     self._split.discard(session.namespace_id)

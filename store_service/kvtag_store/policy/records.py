@@ -1,9 +1,10 @@
 """Bounded logs of what the census remembers about the past: gone engines, refused sessions, probe
 disagreements.
 
-Each log keeps its own last `limit` records, and all logs together keep at most `max_records` (the
-oldest anywhere leave first), so the census's memory for history is bounded however many
-namespaces and modes come and go. What leaves is counted, never silently lost.
+Each log keeps its own last `limit` records, and all logs together keep at most `max_records` and
+`max_bytes` of them as encoded (the oldest anywhere leave first), so the census's memory for
+history is bounded however many namespaces and modes come and go, and however long their labels.
+What leaves is counted, never silently lost.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-# Records the census keeps store-wide, across every log.
+# Records the census keeps store-wide, across every log: at most this many, and this many bytes as
+# encoded. 8,192 records of engines with long labels (a gone engine keeps up to 16 labels of 256
+# characters) would hold ~40 MiB; most records are a few hundred bytes, so the byte bound only bites
+# for long labels.
 MAX_RECORDS = 8192
+MAX_RECORD_BYTES = 4 << 20
 
 
 class RecordLog(Generic[T]):
@@ -56,27 +61,37 @@ class RecordLog(Generic[T]):
 
 
 class RecordShelf:
-    """The store-wide bound over every RecordLog; not thread-safe (the census's lock guards it)."""
+    """The store-wide bound over every RecordLog; not thread-safe (the census's lock guards it).
 
-    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+    Each entry is the log a record went to and the record's encoded size, oldest first. A record its
+    own log dropped (past `limit`) keeps its entry, and its bytes counted, until the entry leaves:
+    the count errs high, never low."""
+
+    def __init__(self, max_records: int = MAX_RECORDS, max_bytes: int = MAX_RECORD_BYTES) -> None:
         self._max = max_records
-        self._order: deque[RecordLog[object]] = deque()
+        self._max_bytes = max_bytes
+        self._order: deque[tuple[RecordLog[object], int]] = deque()
+        self._bytes = 0
 
-    def add(self, log: RecordLog[T], item: T) -> None:
+    def add(self, log: RecordLog[T], item: T, size: int) -> None:
+        """Keep `item` (`size`: its encoded bytes) in `log`, dropping the oldest records anywhere past
+        the bounds."""
         if log.dead:
             return
         if log._items is None:
             log._items = []
         log._items.append(item)
-        self._order.append(log)  # type: ignore[arg-type]
+        self._order.append((log, size))  # type: ignore[arg-type]
+        self._bytes += size
         if len(log._items) > log.limit:
             del log._items[0]
             log._skipped += 1
             log.forgotten += 1
-        if len(self._order) > self._max:
-            oldest = self._order.popleft()
+        while len(self._order) > self._max or (self._bytes > self._max_bytes and len(self._order) > 1):
+            oldest, oldest_size = self._order.popleft()
+            self._bytes -= oldest_size
             if oldest.dead:
-                return
+                continue
             if oldest._skipped:
                 oldest._skipped -= 1
             elif oldest._items:
@@ -88,7 +103,12 @@ class RecordShelf:
     def drop_closed(self) -> None:
         """Let go of the entries of closed logs now, rather than when newer records push them out:
         after a sweep forgets many namespaces, those entries are all that keeps their logs alive."""
-        self._order = deque(log for log in self._order if not log.dead)
+        self._order = deque(entry for entry in self._order if not entry[0].dead)
+        self._bytes = sum(size for _, size in self._order)
 
     def __len__(self) -> int:
         return len(self._order)
+
+    @property
+    def encoded_bytes(self) -> int:
+        return self._bytes
