@@ -1,4 +1,4 @@
-# kvtag store service image. Two targets:
+# kvtag store service image. Two targets (and etcd for compose.mooncake-ha.yaml, below):
 #   embedded (default, the last stage): the in-memory store only; the smallest image.
 #   mooncake (`--target mooncake`): adds the Mooncake client wheel, its native libraries
 #     and the mooncake_master / mooncake_client binaries, for `--backend mooncake` and
@@ -88,6 +88,26 @@ COPY --from=build-mooncake /opt/mooncake /opt/kvtag/lib/python3.11/site-packages
 RUN ln -s /opt/kvtag/lib/python3.11/site-packages/mooncake/mooncake_master /usr/local/bin/mooncake_master \
  && ln -s /opt/kvtag/lib/python3.11/site-packages/mooncake/mooncake_client /usr/local/bin/mooncake_client
 USER 10001:10001
+
+# ---- target etcd: Debian's etcd-server (3.4), for compose.mooncake-ha.yaml ----
+# Built locally because no container registry but the package indexes is reachable where kvtag is
+# tested (quay.io's etcd image is not). Not version-pinned: the release (bookworm) fixes 3.4.
+# The package creates an `etcd` system user; it gets a fixed uid so USER can be numeric, and owns
+# /etcd-data so a named volume mounted there is writable (etcd wants the data dir 0700).
+FROM ${BASE_IMAGE} AS etcd
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends etcd-server \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupmod --gid 10003 etcd \
+ && usermod --uid 10003 --gid 10003 etcd \
+ && chown -R 10003:10003 /var/lib/etcd \
+ && install -d -m 0700 -o 10003 -g 10003 /etcd-data
+USER 10003:10003
+WORKDIR /etcd-data
+EXPOSE 2379
+CMD ["etcd", "--data-dir=/etcd-data", "--listen-client-urls=http://0.0.0.0:2379", \
+     "--advertise-client-urls=http://127.0.0.1:2379"]
 
 # ---- target embedded (the default: the last stage) ----
 FROM runtime AS embedded
