@@ -9,6 +9,7 @@ export KVTAG_TEST_RUN_ID=${KVTAG_TEST_RUN_ID:-kvtagtest$$}
 export KVTAG_BASE_IMAGE=${KVTAG_BASE_IMAGE:-localhost/kvtag-base:bookworm}
 export KVTAG_TEST_IMAGE=${KVTAG_TEST_IMAGE:-localhost/kvtag-store:test}
 export KVTAG_TEST_MOONCAKE_IMAGE=${KVTAG_TEST_MOONCAKE_IMAGE:-localhost/kvtag-store:test-mooncake}
+export KVTAG_TEST_ETCD_IMAGE=${KVTAG_TEST_ETCD_IMAGE:-localhost/kvtag-store:test-etcd}
 export KVTAG_TEST_PROMETHEUS_IMAGE=${KVTAG_TEST_PROMETHEUS_IMAGE:-localhost/kvtag-prometheus:test}
 
 # shellcheck disable=SC2329 # called by the EXIT trap
@@ -17,7 +18,7 @@ cleanup() {
   ids=$(
     podman ps --all --quiet --filter "label=kvtag.test.run=$KVTAG_TEST_RUN_ID"
     for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure" \
-                   "$KVTAG_TEST_RUN_ID-observability"; do
+                   "$KVTAG_TEST_RUN_ID-observability" "$KVTAG_TEST_RUN_ID-mooncake-ha"; do
       podman ps --all --quiet --filter "label=io.podman.compose.project=$project"
     done
   )
@@ -28,7 +29,7 @@ cleanup() {
   fi
   networks=$(
     for project in "$KVTAG_TEST_RUN_ID-mooncake" "$KVTAG_TEST_RUN_ID-embedded" "$KVTAG_TEST_RUN_ID-secure" \
-                   "$KVTAG_TEST_RUN_ID-observability"; do
+                   "$KVTAG_TEST_RUN_ID-observability" "$KVTAG_TEST_RUN_ID-mooncake-ha"; do
       podman network ls --quiet --filter "label=io.podman.compose.project=$project"
     done
   )
@@ -56,6 +57,9 @@ step "building $KVTAG_TEST_IMAGE (target embedded)"
 build embedded "$KVTAG_TEST_IMAGE"
 step "building $KVTAG_TEST_MOONCAKE_IMAGE (target mooncake)"
 build mooncake "$KVTAG_TEST_MOONCAKE_IMAGE"
+
+step "building $KVTAG_TEST_ETCD_IMAGE (target etcd, Debian's etcd-server, for compose.mooncake-ha.yaml)"
+build etcd "$KVTAG_TEST_ETCD_IMAGE"
 
 step "building $KVTAG_TEST_PROMETHEUS_IMAGE (Debian's prometheus, for compose.observability.yaml)"
 podman build --quiet --format docker --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" \

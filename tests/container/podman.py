@@ -23,6 +23,7 @@ RUN_ID = os.environ.get("KVTAG_TEST_RUN_ID") or f"kvtagtest{os.getpid()}"
 RUN_LABEL = "kvtag.test.run"
 IMAGE = os.environ.get("KVTAG_TEST_IMAGE", "localhost/kvtag-store:test")
 MOONCAKE_IMAGE = os.environ.get("KVTAG_TEST_MOONCAKE_IMAGE", "localhost/kvtag-store:test-mooncake")
+ETCD_IMAGE = os.environ.get("KVTAG_TEST_ETCD_IMAGE", "localhost/kvtag-store:test-etcd")
 BASE_IMAGE = os.environ.get("KVTAG_BASE_IMAGE", "localhost/kvtag-base:bookworm")
 GRPC_PORT = 50051
 METRICS_PORT = 9464
