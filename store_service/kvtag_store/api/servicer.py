@@ -146,9 +146,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.metrics.namespaces_forgotten.inc(len(forgotten))
         if self.capabilities.forgetting is not None:
             self.capabilities.forgetting.forget_namespaces(forgotten, idle_since)
-        for listener in self.forget_listeners if forgotten else ():
-            listener(forgotten)
         if forgotten:
+            for listener in self.forget_listeners:
+                listener(forgotten)
             heap.give_back()  # what the forgotten namespaces' calls left free (kvtag_store.heap)
 
     # -- sessions -----------------------------------------------------------

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtag.v1 import store_pb2 as pb
@@ -88,18 +88,19 @@ class HitRateHistory:
                     deltas = [max(0, now - before) for now, before in zip(totals, last, strict=True)]
                     series = self._series.setdefault(key, deque(maxlen=self.points))
                     series.append(Point(at, *deltas))
-            for gone in self._series.keys() - seen:
-                del self._series[gone]
-                self._last.pop(gone, None)
+            self._drop_locked(self._series.keys() - seen)
 
     def forget(self, namespace_ids: list[str]) -> None:
         """Drop the series of namespaces the census forgot, now rather than at the next sample: a
         burst of short-lived namespaces would otherwise hold up to a minute of series (~4 KiB each)."""
         gone = set(namespace_ids)
         with self._lock:
-            for key in [key for key in self._series if key[0] in gone]:
-                del self._series[key]
-                self._last.pop(key, None)
+            self._drop_locked([key for key in self._series if key[0] in gone])
+
+    def _drop_locked(self, keys: Iterable[tuple[str, str]]) -> None:
+        for key in keys:
+            del self._series[key]
+            self._last.pop(key, None)
 
     def series(self, namespace_id: str, mode_id: str) -> list[Point]:
         with self._lock:
