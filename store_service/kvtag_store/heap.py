@@ -31,7 +31,9 @@ def give_back() -> bool:
 
     The collection comes first because forgotten namespaces leave cycles behind, and until the
     collector's next full pass they keep whole 1 MiB small-object arenas of the interpreter mapped
-    (after 20,000 namespaces: 62 arenas before the collection, 57 after). A full pass over the
-    store's objects takes milliseconds, and a sweep forgets namespaces at most every 30 s."""
+    (after 20,000 namespaces: 62 arenas before the collection, 57 after). The full pass holds the
+    GIL for a time that grows with the store's tracked objects (measured here: 8 ms for 200,000,
+    57 ms for a million, 259 ms for three million); a sweep forgets namespaces at most every 30 s,
+    and the interpreter's own full passes cost the same."""
     gc.collect()
     return _TRIM is not None and bool(_TRIM(0))

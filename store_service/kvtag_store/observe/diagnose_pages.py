@@ -34,8 +34,8 @@ _FRAMING = 8
 class _PackedIds:
     """Namespace ids in one string and an array of their ends. A tuple of the census's own id
     strings would keep them alive after their namespaces are forgotten, for the snapshot's five
-    minutes: 20,000 of them, scattered, kept ~50 MiB of the interpreter's small-object arenas from
-    going back to the system."""
+    minutes, and with them the interpreter's small-object arenas they sit in (20,000 namespaces and a
+    page walk, in process: 101.4 MiB anonymous after the window with the tuple, 88.3 packed)."""
 
     __slots__ = ("_ends", "_text")
 
