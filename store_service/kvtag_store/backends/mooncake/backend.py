@@ -182,6 +182,7 @@ class MooncakeBackend:
         for close in self._closers:
             close()
         self._leases.close()
+        self._cluster.breaker.close()
         self._cluster.headers.close()
         self._shared.close()
         self._cluster.client.close()

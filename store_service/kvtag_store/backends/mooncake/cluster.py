@@ -15,13 +15,18 @@ from typing import NamedTuple
 
 from kvtag_store.backends.base import BackendUnavailable, BlockAddress
 from kvtag_store.backends.mooncake.client import MooncakeClient, MooncakeSettings
-from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode, describe
-from kvtag_store.backends.mooncake.format import HEADER_BYTES, object_keys
-from kvtag_store.backends.mooncake.health import MasterBreaker, SuspectProcesses
+from kvtag_store.backends.mooncake.errors import ErrorCounters, describe
+from kvtag_store.backends.mooncake.format import HEADER_BYTES, KEY_PREFIX, object_keys
+from kvtag_store.backends.mooncake.health import MASTER_DOWN, MasterBreaker, SuspectProcesses
 from kvtag_store.backends.mooncake.modes import ModeDirectory
 
 # Header reads per get_into_ranges call; the registered arena holds this many headers.
 HEADER_SLOTS = 1024
+# The key whose existence the breaker's prober checks: never stored (every kvtag key has at least
+# three parts after the prefix), so the check is one small master call and leases nothing.
+_PROBE_KEY = f"{KEY_PREFIX}/master-probe"
+# batch_is_exist answers -1 for a key when its RPC failed.
+_EXISTS_DOWN = (*MASTER_DOWN, -1)
 
 
 class HeaderReader:
@@ -76,7 +81,7 @@ class Cluster:
         self.client = client
         self.settings = settings
         self.errors = ErrorCounters()
-        self.breaker = MasterBreaker(settings.master, self.errors)
+        self.breaker = MasterBreaker(settings.master, self.errors, self._master_answers)
         self.suspects = SuspectProcesses()
         self.headers = HeaderReader(client)
         self.modes = ModeDirectory(client, self.exists)
@@ -97,8 +102,12 @@ class Cluster:
     def exists(self, mkeys: list[str], what: str) -> list[int]:
         """batch_is_exist's code per key (1 present); UNAVAILABLE when the master did not answer."""
         exists = self.client.batch_is_exist(mkeys)
-        self.breaker.screen(exists, what, master_down=(MooncakeCode.RPC_FAIL, -1))
+        self.breaker.screen(exists, what, master_down=_EXISTS_DOWN)
         return exists
+
+    def _master_answers(self) -> bool:
+        """The breaker's probe: the existence check every path starts with, of one absent key."""
+        return not any(code in _EXISTS_DOWN for code in self.client.batch_is_exist([_PROBE_KEY]))
 
     def presence(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], what: str, *, writing: bool

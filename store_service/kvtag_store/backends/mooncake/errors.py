@@ -24,8 +24,9 @@ class MooncakeCode(enum.IntEnum):
     OBJECT_HAS_LEASE = -706
     # The storage process holding a replica cannot be reached.
     TRANSFER_FAIL = -800
-    # The master cannot be reached.
+    # The master cannot be reached (refused, reset) / did not answer in time.
     RPC_FAIL = -900
+    RPC_TIMEOUT = -901
 
 
 # Counter names, exported as kvtag_backend_errors_total{kind=...}.
