@@ -12,10 +12,12 @@ import json
 import shutil
 import socket
 import subprocess
+import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from tests.mooncake.mooncake_cluster import BIN, MooncakeCluster, require_private_netns
+from tests.mooncake.mooncake_cluster import BIN, MooncakeCluster, metrics, require_private_netns
 from tests.net import free_port, wait_until
 
 
@@ -31,6 +33,10 @@ class HaMooncakeCluster(MooncakeCluster):
 
     # Every master's metrics port, the killed ones included (a deployment's flag names them all).
     all_metrics_ports: list[int] = field(default_factory=list)
+    # When (time.monotonic) the master left after kill_leader first said it leads and serves, and
+    # when it first counted a storage segment (a storage node re-mounted: objects are readable).
+    serving_at: float | None = None
+    mounted_at: float | None = None
 
     @property
     def master_address(self) -> str:
@@ -106,11 +112,30 @@ class HaMooncakeCluster(MooncakeCluster):
         return True
 
     def kill_leader(self) -> None:
-        """Kill the first master (the leader) and point the metrics at the one left."""
+        """Kill the first master (the leader) and point the metrics at the one left, which is then
+        watched (every 20 ms, for up to 60 s) for `serving_at` and `mounted_at`: Mooncake's own
+        share of a failover, apart from what kvtag adds."""
         proc, _ = self.masters.pop(0)
         proc.kill()
         proc.wait(5)
         self.metrics_port = self.masters[0][1]
+        self.serving_at = self.mounted_at = None
+        threading.Thread(target=self._watch_new_leader, args=(self.metrics_address,), daemon=True).start()
+
+    def _watch_new_leader(self, address: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.masters and self.mounted_at is None:
+            try:
+                if self.serving_at is None:
+                    with urllib.request.urlopen(f"http://{address}/health", timeout=1) as reply:
+                        health = json.load(reply)
+                    if health.get("role") == "leader" and health.get("service_ready") is True:
+                        self.serving_at = time.monotonic()
+                elif metrics(address).get("master_total_capacity_bytes", 0) > 0:
+                    self.mounted_at = time.monotonic()
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.kill_storage()

@@ -89,7 +89,10 @@ def test_killing_the_leading_master_under_reads_serves_no_wrong_bytes_and_recove
             time.sleep(0.1)
         recovered = [t for t in served_at if t > killed_at + 0.5]
         assert recovered, f"the blocks were not all served again within {RECOVERY_BOUND_S:.0f} s of the kill"
-        print(f"served again {recovered[0] - killed_at:.1f} s after the leading master was killed")
+        print(
+            f"served again {recovered[0] - killed_at:.1f} s after the leading master was killed "
+            f"({_mooncake_share(ha_cluster, killed_at)})"
+        )
         stop.set()
         reader.join(30)
         assert wrong == []
@@ -206,7 +209,8 @@ def test_killing_the_leader_under_a_write_load_serves_exact_bytes_stays_strict_a
         recovered = [again(n) for n in range(2)]
         failed = sum(1 for r in rounds for start, _, ok in r if start > killed_at and not ok)
         print(
-            f"write load: full rounds again {recovered} s after the kill; {failed} rounds not fully served "
+            f"write load: full rounds again {recovered} s after the kill "
+            f"({_mooncake_share(ha_cluster, killed_at)}); {failed} rounds not fully served "
             f"meanwhile; {sum(len(r) for r in rounds)} rounds, {sum(len(s) for s in stored)} blocks stored"
         )
         assert wrong == [], f"wrong bytes served for {wrong[:4]}"
@@ -248,6 +252,19 @@ def test_killing_the_leader_under_a_write_load_serves_exact_bytes_stays_strict_a
             thread.join(30)
         for replica in replicas:
             replica.stop()
+
+
+def _mooncake_share(cluster: HaMooncakeCluster, killed_at: float) -> str:
+    """Mooncake's own share: seconds from the kill until the new leader's /health said it serves and
+    until it counted the storage segment again (before that it answers every object absent)."""
+
+    def after(at: float | None) -> str:
+        return "?" if at is None else f"{at - killed_at:.1f} s"
+
+    return (
+        f"new leader serving after {after(cluster.serving_at)}, "
+        f"segment re-mounted after {after(cluster.mounted_at)}"
+    )
 
 
 def _reports_capacity(replica: Replica, capacity: int) -> bool:
