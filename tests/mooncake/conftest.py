@@ -9,6 +9,8 @@ import pytest
 from kvtag_store.backends.mooncake.backend import MooncakeBackend
 from kvtag_store.backends.mooncake.census import MooncakeCensus
 from kvtag_store.backends.mooncake.client import MooncakeClient, connect
+from kvtag_store.backends.mooncake.cluster import master_breaker
+from kvtag_store.backends.mooncake.errors import ErrorCounters
 
 from .mooncake_cluster import MooncakeCluster, in_private_netns, settings_for
 
@@ -49,9 +51,11 @@ def mooncake_backend(cluster: MooncakeCluster) -> Iterator[MooncakeBackend]:
 @pytest.fixture(scope="session")
 def mooncake_census(cluster: MooncakeCluster) -> Iterator[MooncakeCensus]:
     client = connect(settings_for(cluster))
-    census = MooncakeCensus(client, cluster.master_address)
+    breaker = master_breaker(client, cluster.master_address, ErrorCounters())
+    census = MooncakeCensus(client, breaker)
     yield census
     census.close()
+    breaker.close()
     client.close()
 
 

@@ -10,11 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 from kvtag_store.backends.base import BackendUnavailable
+from kvtag_store.backends.mooncake import census as census_module
 from kvtag_store.backends.mooncake import health
+from kvtag_store.backends.mooncake.census import MooncakeCensus
+from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import ErrorCounters, MooncakeCode
 from kvtag_store.backends.mooncake.health import MasterBreaker
 
 from tests.net import wait_until
+
+from .mooncake_cluster import MooncakeCluster
 
 
 def probers() -> int:
@@ -176,3 +181,43 @@ def test_a_probe_that_raises_is_retried() -> None:
         wait_until(lambda: not b.is_open, 5, "the third probe to close the breaker")
     finally:
         b.close()
+
+
+def test_the_census_shares_the_breaker_answering_at_once_then_fails_closed_until_records_are_back(
+    cluster: MooncakeCluster, raw_client: MooncakeClient, probe: Probe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OpenSession of a strict namespace while the master is down costs no Mooncake call (each
+    would wait out seconds of retries), and a new mode is refused for a while after the master is
+    back, while replicas restore the records they know. The cluster here is up: only the breaker
+    says it is down, so an answer at once proves the census did not ask Mooncake."""
+    monkeypatch.setattr(census_module, "_WATCH_S", 0.05)
+    monkeypatch.setattr(census_module, "_RECOVERY_S", 1.0)
+    monkeypatch.setattr(census_module, "_SETTLE_S", 0.2)
+    breaker = MasterBreaker(cluster.master_address, ErrorCounters(), probe)
+    census = MooncakeCensus(raw_client, breaker)
+    namespace_id = "ns-breaker-" + str(time.monotonic_ns())
+    try:
+        with pytest.raises(BackendUnavailable):
+            breaker.screen([MooncakeCode.RPC_FAIL], "reading blocks")
+        started = time.monotonic()
+        for _ in range(20):
+            with pytest.raises(BackendUnavailable, match="not recording the census until it does"):
+                census.establish_mode(namespace_id, b"mode-a")
+        assert time.monotonic() - started < 0.2
+        time.sleep(0.2)  # keeper rounds see the breaker open: records may be going with the master
+        probe.up.set()
+        wait_until(lambda: not breaker.is_open, 5, "the probe to close the breaker")
+        with pytest.raises(BackendUnavailable, match="new modes are refused"):
+            census.establish_mode(namespace_id, b"mode-a")
+        wait_until(lambda: _established(census, namespace_id) == b"mode-a", 5, "the recovery window to pass")
+        assert census.establish_mode(namespace_id, b"mode-b") == b"mode-a"  # first writer still wins
+    finally:
+        census.close()
+        breaker.close()
+
+
+def _established(census: MooncakeCensus, namespace_id: str) -> bytes | None:
+    try:
+        return census.establish_mode(namespace_id, b"mode-a")
+    except BackendUnavailable:
+        return None

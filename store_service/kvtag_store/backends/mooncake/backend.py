@@ -30,6 +30,7 @@ from kvtag_store.backends.mooncake.client import (
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import ErrorCounters
 from kvtag_store.backends.mooncake.format import object_keys
+from kvtag_store.backends.mooncake.health import MasterBreaker
 from kvtag_store.backends.mooncake.leases import LeaseKeeper
 from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.shared_memory import SharedMemoryHalf
@@ -62,6 +63,11 @@ class MooncakeBackend:
     @property
     def max_value_bytes(self) -> int:
         return self._cluster.max_value_bytes
+
+    @property
+    def breaker(self) -> MasterBreaker:
+        """The master breaker of every call through this backend's client (the census shares it)."""
+        return self._cluster.breaker
 
     @property
     def staging_slots_in_use(self) -> int | None:

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
 from kvtag_store.backends.mooncake.client import MooncakeClient, pinned_config
-from kvtag_store.backends.mooncake.errors import MooncakeCode, describe
+from kvtag_store.backends.mooncake.cluster import EXISTS_DOWN
 from kvtag_store.backends.mooncake.format import FormatError, census_key, decode_record, encode_record
+from kvtag_store.backends.mooncake.health import MASTER_DOWN, MasterBreaker
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,12 @@ def _fresh(body: bytes) -> _Record:
 
 
 class MooncakeCensus:
-    def __init__(self, client: MooncakeClient, master: str) -> None:
+    def __init__(self, client: MooncakeClient, breaker: MasterBreaker) -> None:
+        """`breaker`: the backend's (cluster.master_breaker over the same client), so an OpenSession
+        while the master is down is answered UNAVAILABLE at once, not after seconds of retries in
+        each of the census's calls."""
         self._client = client
-        self._master = master
+        self._breaker = breaker
         self._config = pinned_config()
         self._lock = threading.Lock()
         # Records this replica has read or written, by Mooncake key: what it restores.
@@ -121,6 +125,7 @@ class MooncakeCensus:
     def _agree(self, key: str, body: bytes, *, settle: bool, keep: bool = True) -> _Record:
         """The record of key every replica must use: the one this replica knows (restored if lost),
         else the stored one, else ours; a fresh mode record only once it has stood _SETTLE_S."""
+        self._breaker.check("recording the census")
         known = self._known_copy().get(key)
         if known is not None:
             return self._reconcile(key, known)
@@ -186,12 +191,9 @@ class MooncakeCensus:
 
     def _put(self, key: str, record: _Record) -> None:
         rc = self._client.put(key, record.encode(), self._config)
-        if rc == MooncakeCode.RPC_FAIL:
+        if rc in MASTER_DOWN:
             self._lost_at = time.monotonic()
-            raise BackendUnavailable(
-                f"Mooncake master {self._master} unreachable while recording the census "
-                f"({describe(rc)}); retry with backoff"
-            )
+            self._breaker.screen([rc], "recording the census")
 
     def _read(self, key: str) -> _Record | None:
         """The stored record, None if absent or unreadable; a damaged one is removed."""
@@ -207,9 +209,12 @@ class MooncakeCensus:
 
     def _exists(self, key: str) -> bool | None:
         [code] = self._client.batch_is_exist([key])
-        if code in (MooncakeCode.RPC_FAIL, -1):
+        if code in EXISTS_DOWN:
             self._lost_at = time.monotonic()
-            return None
+            try:
+                self._breaker.screen([code], "checking the census", master_down=EXISTS_DOWN)
+            except BackendUnavailable:
+                return None
         return bool(code == 1)
 
     def _known_copy(self) -> dict[str, _Record]:
@@ -229,6 +234,9 @@ class MooncakeCensus:
 
     def _watch_once(self) -> None:
         """Notice lost records (beacon gone, master down) and restore the ones this replica knows."""
+        if self._breaker.is_open:
+            self._lost_at = time.monotonic()  # records may be going with the master: stay closed
+            return
         beacon = self._exists(_BEACON)
         if beacon is None:
             return  # master down: _exists noted it

@@ -26,7 +26,17 @@ HEADER_SLOTS = 1024
 # three parts after the prefix), so the check is one small master call and leases nothing.
 _PROBE_KEY = f"{KEY_PREFIX}/master-probe"
 # batch_is_exist answers -1 for a key when its RPC failed.
-_EXISTS_DOWN = (*MASTER_DOWN, -1)
+EXISTS_DOWN = (*MASTER_DOWN, -1)
+
+
+def master_breaker(client: MooncakeClient, master: str, errors: ErrorCounters) -> MasterBreaker:
+    """The breaker of every call through `client` (the backend's paths and the census): its probe
+    is the existence check every path starts with, of one never-stored key."""
+
+    def answers() -> bool:
+        return not any(code in EXISTS_DOWN for code in client.batch_is_exist([_PROBE_KEY]))
+
+    return MasterBreaker(master, errors, answers)
 
 
 class HeaderReader:
@@ -81,7 +91,7 @@ class Cluster:
         self.client = client
         self.settings = settings
         self.errors = ErrorCounters()
-        self.breaker = MasterBreaker(settings.master, self.errors, self._master_answers)
+        self.breaker = master_breaker(client, settings.master, self.errors)
         self.suspects = SuspectProcesses()
         self.headers = HeaderReader(client)
         self.modes = ModeDirectory(client, self.exists)
@@ -102,12 +112,8 @@ class Cluster:
     def exists(self, mkeys: list[str], what: str) -> list[int]:
         """batch_is_exist's code per key (1 present); UNAVAILABLE when the master did not answer."""
         exists = self.client.batch_is_exist(mkeys)
-        self.breaker.screen(exists, what, master_down=_EXISTS_DOWN)
+        self.breaker.screen(exists, what, master_down=EXISTS_DOWN)
         return exists
-
-    def _master_answers(self) -> bool:
-        """The breaker's probe: the existence check every path starts with, of one absent key."""
-        return not any(code in _EXISTS_DOWN for code in self.client.batch_is_exist([_PROBE_KEY]))
 
     def presence(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], what: str, *, writing: bool

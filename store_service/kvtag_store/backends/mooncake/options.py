@@ -154,6 +154,6 @@ def build(
         client.close()
         raise
     backend = MooncakeBackend(client, settings)
-    census = MooncakeCensus(client, settings.master)
+    census = MooncakeCensus(client, backend.breaker)
     backend.close_first(census.close)
     return backend, census
