@@ -187,7 +187,8 @@ def test_the_census_shares_the_breaker_answering_at_once_then_fails_closed_until
     cluster: MooncakeCluster, raw_client: MooncakeClient, probe: Probe, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An OpenSession of a strict namespace while the master is down costs no Mooncake call (each
-    would wait out seconds of retries), and a new mode is refused for a while after the master is
+    would wait out seconds of retries): answered from the record this replica knows, or
+    UNAVAILABLE for a namespace it does not; and a new mode is refused for a while after the master is
     back, while replicas restore the records they know. The cluster here is up: only the breaker
     says it is down, so an answer at once proves the census did not ask Mooncake."""
     monkeypatch.setattr(census_module, "_WATCH_S", 0.05)
@@ -196,13 +197,17 @@ def test_the_census_shares_the_breaker_answering_at_once_then_fails_closed_until
     breaker = MasterBreaker(cluster.master_address, ErrorCounters(), probe)
     census = MooncakeCensus(raw_client, breaker)
     namespace_id = "ns-breaker-" + str(time.monotonic_ns())
+    known_id = namespace_id + "-known"
     try:
+        assert census.establish_mode(known_id, b"mode-k") == b"mode-k"
         with pytest.raises(BackendUnavailable):
             breaker.screen([MooncakeCode.RPC_FAIL], "reading blocks")
         started = time.monotonic()
         for _ in range(20):
             with pytest.raises(BackendUnavailable, match="not recording the census until it does"):
                 census.establish_mode(namespace_id, b"mode-a")
+            # A record this replica knows answers at once, whichever mode asks: strict stays strict.
+            assert census.establish_mode(known_id, b"mode-other") == b"mode-k"
         assert time.monotonic() - started < 0.2
         time.sleep(0.2)  # keeper rounds see the breaker open: records may be going with the master
         probe.up.set()

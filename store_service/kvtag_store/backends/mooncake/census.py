@@ -124,11 +124,13 @@ class MooncakeCensus:
 
     def _agree(self, key: str, body: bytes, *, settle: bool, keep: bool = True) -> _Record:
         """The record of key every replica must use: the one this replica knows (restored if lost),
-        else the stored one, else ours; a fresh mode record only once it has stood _SETTLE_S."""
-        self._breaker.check("recording the census")
+        else the stored one, else ours; a fresh mode record only once it has stood _SETTLE_S.
+        While the master is down a known record answers at once (it is the one this replica will
+        restore) and an unknown one is UNAVAILABLE at once, not after seconds of Mooncake retries."""
         known = self._known_copy().get(key)
         if known is not None:
-            return self._reconcile(key, known)
+            return known if self._breaker.is_open else self._reconcile(key, known)
+        self._breaker.check("recording the census")
         deadline = time.monotonic() + _PUT_WAIT_S
         while True:
             stored = self._read(key)
