@@ -24,6 +24,7 @@ def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def start_store(work_dir: Path) -> Iterator[Callable[..., StoreProcess]]:
-    """Starts kvtag-store processes for a module; all are killed (SIGKILL, whole group) at its end."""
-    with store_starter(work_dir, process_group=True, on_exit=StoreProcess.kill) as start:
+    """Starts kvtag-store processes for a module, each in its own process group; all are stopped
+    at its end (SIGTERM, so a store removes its shared-memory arena; SIGKILL after 10 s)."""
+    with store_starter(work_dir, process_group=True) as start:
         yield start

@@ -107,6 +107,12 @@ def run_engine(job: dict[str, Any], work_dir: Path, name: str) -> dict[str, Any]
         run.kill()
 
 
+def shared_memory_segments() -> set[Path]:
+    """Python SharedMemory segments on this host (/dev/shm/psm_*): vLLM keeps queues in them, and a
+    server killed rather than shut down leaves its own behind (two per `vllm serve`)."""
+    return set(Path("/dev/shm").glob("psm_*"))
+
+
 def prompt(seed: int, length: int) -> list[int]:
     """A deterministic token sequence whose first tokens differ per seed (no shared prefixes)."""
     state = (seed * 2654435761 + 12345) % (2**32)

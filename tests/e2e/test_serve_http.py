@@ -9,6 +9,7 @@ end when it is SIGTERMed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -28,7 +29,7 @@ import pytest
 from tests.net import free_port, wait_until
 from tests.store_process import StoreProcess, kill_group
 
-from .harness import prompt
+from .harness import prompt, shared_memory_segments
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +105,14 @@ class Server:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        if self.proc is not None:
-            kill_group(self.proc)
+        if self.proc is None:
+            return
+        # Shut down as an operator would (SIGTERM): a killed server leaves its shared memory behind.
+        if self.proc.poll() is None:
+            self.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 10)
+        kill_group(self.proc)  # whatever of its group is still there
 
     def _healthy(self) -> bool:
         try:
@@ -186,6 +193,7 @@ def test_two_fresh_http_servers_share_blocks_vllm_reports_the_hits_and_another_m
     models: dict[str, Path], work_dir: Path, start_store: Callable[..., StoreProcess]
 ) -> None:
     store = start_store("--policy", "strict")
+    segments = shared_memory_segments()
     tokens = prompt(71, 3 * BLOCK + 5)  # 3 full blocks and 5 tokens
     with Server(models["llama"], store, work_dir, "http-a") as first:
         # The sessions open at start-up: diagnose lists both roles before any request.
@@ -230,3 +238,4 @@ def test_two_fresh_http_servers_share_blocks_vllm_reports_the_hits_and_another_m
             assert sorted(refused) == ["http-c/scheduler", "http-c/worker"]
             assert engine_sessions(store, "http-c") == []
             assert other.complete(tokens)["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert shared_memory_segments() <= segments, "a server left SharedMemory segments in /dev/shm"
