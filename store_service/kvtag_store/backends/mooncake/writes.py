@@ -318,7 +318,8 @@ class Writes:
         that were there): accepted with 0 and there is STORED, -703 (another writer's put was in
         flight) and there is ALREADY_PRESENT; a block another mode holds too is removed and
         CONFLICT. `put_batch` returns one code for the whole batch, so a -703 there cannot say
-        which key it was about: those batches are judged by their stored headers (our nonce)."""
+        which key it was about: those batches are judged by their stored headers (our nonce), and
+        a key of an accepted batch that is not there afterwards is left to the single path."""
         if not per_key and any(code == MooncakeCode.OBJECT_ALREADY_EXISTS for code in sent.codes):
             verdicts = self._judge(namespace_id, mode_id, sent)
             judged = [v if isinstance(v, PutResult) else None for v in verdicts]
@@ -334,6 +335,11 @@ class Writes:
                 out.append(PutResult(PutOutcome.REJECTED, self._put_failure(code)))
             elif code == MooncakeCode.OBJECT_ALREADY_EXISTS:
                 out.append(_ALREADY_PRESENT if present else Undecided.IN_FLIGHT)
+            elif not present and not per_key:
+                # put_batch's one code does not say this key was written by this call: another
+                # writer's put of it may still be in flight, not yet visible. The single path
+                # settles it (it puts again and waits for an in-flight writer).
+                out.append(Undecided.IN_FLIGHT)
             elif not present:
                 self._cluster.errors.add(MooncakeCode.OBJECT_NOT_FOUND)
                 out.append(_VANISHED)
