@@ -49,9 +49,14 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from provenance import git_describe
+
+if TYPE_CHECKING:
+    from kvtag_store.backends.mooncake.backend import MooncakeSettings
+
+    from tests.mooncake.mooncake_cluster import MooncakeCluster
 
 REPO = Path(__file__).resolve().parents[1]
 # The cluster and replica helpers of the Mooncake tests (the `tests.mooncake` package).
@@ -62,6 +67,25 @@ KiB = 1024
 MiB = 1024 * KiB
 GB = 1e9
 MODE = "m-0123456789abcdef"
+
+
+def start_cluster(workdir: Path) -> tuple[MooncakeCluster, MooncakeSettings]:
+    """The bench's cluster (one master, one 1 GiB storage node, 1 s leases) and the client settings
+    of every raw client and backend over it (128 MiB local buffer)."""
+    from kvtag_store.backends.mooncake.backend import MooncakeSettings
+
+    from tests.mooncake.mooncake_cluster import MooncakeCluster
+
+    cluster = MooncakeCluster(workdir, lease_ttl_ms=1000)
+    cluster.start_master()
+    cluster.start_storage(1024 * MiB)
+    settings = MooncakeSettings(
+        master=cluster.master_address,
+        metrics=cluster.metrics_address,
+        local_buffer_bytes=128 * MiB,
+        lease_ttl_ms=1000,
+    )
+    return cluster, settings
 
 
 def reexec_in_private_netns() -> None:
@@ -267,25 +291,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvtag_client import keys as client_keys
     from kvtag_client.store import StoreClient
     from kvtag_proto import ids
-    from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeSettings, connect
+    from kvtag_store.backends.mooncake.backend import MooncakeBackend, connect
 
     from tests.descriptors import mode, namespace
-    from tests.mooncake.mooncake_cluster import MooncakeCluster
     from tests.mooncake.mooncake_replicas import Replica
 
     sizes = [64 * KiB, 1 * MiB] if args.quick else [64 * KiB, 1 * MiB, 4 * MiB]
     repeats = 2 if args.quick else 5  # the raw column moves between repeats on a shared machine
     volume = (16 if args.quick else 32) * MiB
     workdir = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
-    cluster = MooncakeCluster(workdir, lease_ttl_ms=1000)
-    cluster.start_master()
-    cluster.start_storage(1024 * MiB)
-    settings = MooncakeSettings(
-        master=cluster.master_address,
-        metrics=cluster.metrics_address,
-        local_buffer_bytes=128 * MiB,
-        lease_ttl_ms=1000,
-    )
+    cluster, settings = start_cluster(workdir)
     raw = connect(settings)
     backend = MooncakeBackend(connect(settings), settings)
     kvtag = Replica(cluster, workdir, "replica", ["--mooncake-local-buffer=128MB"])

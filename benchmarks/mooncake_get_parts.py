@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_mooncake import MODE, reexec_in_private_netns  # noqa: E402
+from bench_mooncake import MODE, reexec_in_private_netns, start_cluster  # noqa: E402
 from provenance import git_describe  # noqa: E402
 
 MiB = 1 << 20
@@ -80,22 +80,13 @@ def free_port() -> int:
 def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     from kvtag_client import keys as client_keys
     from kvtag_client.store import StoreClient
-    from kvtag_store.backends.mooncake.backend import MooncakeBackend, MooncakeSettings, connect
+    from kvtag_store.backends.mooncake.backend import MooncakeBackend, connect
 
     from tests.descriptors import namespace
-    from tests.mooncake.mooncake_cluster import MooncakeCluster
     from tests.mooncake.mooncake_replicas import Replica
 
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-get-parts-"))
-    cluster = MooncakeCluster(workdir, lease_ttl_ms=1000)
-    cluster.start_master()
-    cluster.start_storage(1024 * MiB)
-    plain = MooncakeSettings(
-        master=cluster.master_address,
-        metrics=cluster.metrics_address,
-        local_buffer_bytes=128 * MiB,
-        lease_ttl_ms=1000,
-    )
+    cluster, plain = start_cluster(workdir)
     raw = connect(plain)
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtag-parts-")
     settings = dataclasses.replace(plain, shm_dir=shm_dir)  # staging: the shared-memory Get
@@ -177,7 +168,7 @@ def one_repeat(
 
     def references(b: range) -> None:
         addresses = [(0, BlockKey(keys[i])) for i in b]
-        _, refs, held = backend._shared.get_references(ns, MODE, addresses, False)
+        _, refs, held = backend.get_references(ns, MODE, addresses, verify=False)
         assert all(r is not None for r in refs), "a block was not read"
         pinned.extend(held)
 
@@ -188,7 +179,7 @@ def one_repeat(
     out = {"raw_get_batch": clock(lambda b: raw.get_batch([raw_keys[i] for i in b]))}
     timed.seconds = dict.fromkeys(TIMED, 0.0)
     out["references"] = clock(references)
-    backend._shared.release(pinned)
+    backend.unpin(ns, pinned)  # what the Get's lease release does: the slots go back
     out.update({f"references_{name}": s for name, s in timed.seconds.items()})
     out["references_python"] = out["references"] - sum(timed.seconds.values())
     before = handler_seconds(metrics_port)
