@@ -27,6 +27,7 @@ well within _SETTLE_S.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -213,10 +214,10 @@ class MooncakeCensus:
         [code] = self._client.batch_is_exist([key])
         if code in EXISTS_DOWN:
             self._lost_at = time.monotonic()
-            try:
+            # Opens the breaker and counts the failure; the caller takes None for "cannot tell".
+            with contextlib.suppress(BackendUnavailable):
                 self._breaker.screen([code], "checking the census", master_down=EXISTS_DOWN)
-            except BackendUnavailable:
-                return None
+            return None
         return bool(code == 1)
 
     def _known_copy(self) -> dict[str, _Record]:
