@@ -90,3 +90,37 @@ def test_the_shelf_bounds_the_bytes_of_the_records_it_keeps() -> None:
     assert sum(log.forgotten for log in logs) == 90, "what the bound dropped is counted"
     shelf.add(logs[0], bytes(50_000), 50_000)  # one record larger than the bound is still kept
     assert list(logs[0])[-1] == bytes(50_000) and len(shelf) == 1
+
+
+def test_gone_engine_records_leave_no_object_behind_once_dropped() -> None:
+    """A burst of engines that come and go must give back what their records took: any object that
+    outlives its record pins an interpreter arena (1 MiB) once the burst's other objects are gone.
+    protobuf's upb kept ~70 of every 50,000 records built with a labels= keyword."""
+    import gc
+    import tracemalloc
+
+    from kvtag_store.policy.census_state import gone_record
+    from kvtag_store.policy.sessions import Session
+
+    def session(n: int) -> Session:
+        return Session(f"s-{n}", f"engine-{n}", "ns-x", "m-x", {"host": f"h{n}"}, n, n, 0.0)
+
+    gone_record(session(0))
+    tracemalloc.start(1)
+    try:
+        before = tracemalloc.take_snapshot()
+        records = [gone_record(session(n)) for n in range(50_000)]
+        assert records[-1].labels["host"] == "h49999" and records[-1].engine_id == "engine-49999"
+        del records
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    census_state = sys.modules["kvtag_store.policy.census_state"].__file__
+    assert census_state is not None
+    left = sum(
+        stat.count_diff
+        for stat in after.compare_to(before, "filename")
+        if stat.traceback[0].filename == census_state and stat.count_diff > 0
+    )
+    assert left <= 2, f"{left} objects made by gone_record outlived their records"

@@ -123,11 +123,14 @@ def gone_record(session: Session) -> pb.EngineRecord:
 
 
 def engine_record(session: Session, *, live: bool) -> pb.EngineRecord:
-    return pb.EngineRecord(
+    record = pb.EngineRecord(
         engine_id=session.engine_id,
         session_id=session.session_id,
         live=live,
         opened_unix_ms=session.opened_unix_ms,
         last_seen_unix_ms=session.last_seen_unix_ms,
-        labels=session.labels,
     )
+    # Not labels= in the constructor: protobuf's upb keeps a few of the objects a map keyword makes
+    # (~70 per 50,000 records, measured), each pinning an interpreter arena after the rest are gone.
+    record.labels.update(session.labels)
+    return record
