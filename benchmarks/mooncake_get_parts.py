@@ -2,7 +2,9 @@
 
 One cluster, fresh blocks every repeat, the same values stored raw and through kvtag:
 
-- raw:         a plain Mooncake client's get_batch of the raw copies (the reference);
+- raw:         a plain Mooncake client's get_batch of the raw copies (the reference), and its
+               batch_get_into of them into a buffer registered up front (the transfer alone, without
+               get_batch's fresh bytes per value: a bound, not a path either client offers an engine);
 - references:  MooncakeBackend.get_references in process (what the GetReferences handler calls),
                with each Mooncake call it makes timed on the way through (existence check, replica
                list, batch_get_into_multi_buffers); the rest is kvtag's own Python;
@@ -18,8 +20,10 @@ bench_mooncake.py gives the headline ratios; this splits them. Prints a table, w
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import re
 import shutil
@@ -38,7 +42,8 @@ from bench_mooncake import MODE, reexec_in_private_netns, start_cluster  # noqa:
 from provenance import git_describe  # noqa: E402
 
 MiB = 1 << 20
-BLOCKS, BATCH = 512, 128
+# 32 MiB per repeat in Gets of 8 MiB, as bench_mooncake reads each size (512 x 64 KiB in batches of 128).
+VOLUME, BATCH_BYTES = 32 * MiB, 8 * MiB
 TIMED = ("batch_is_exist", "batch_get_replica_desc", "batch_get_into_multi_buffers")
 
 
@@ -88,6 +93,12 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="mooncake-get-parts-"))
     cluster, plain = start_cluster(workdir)
     raw = connect(plain)
+    # The raw client's destination for batch_get_into: one Get's values, registered once.
+    landing = mmap.mmap(-1, BATCH_BYTES)
+    holder = ctypes.c_char.from_buffer(landing)
+    landing_base = ctypes.addressof(holder)
+    del holder
+    assert raw.register_buffer(landing_base, BATCH_BYTES) == 0, "cannot register the raw landing buffer"
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtag-parts-")
     settings = dataclasses.replace(plain, shm_dir=shm_dir)  # staging: the shared-memory Get
     timed = Timed(connect(settings))
@@ -115,7 +126,7 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
         assert client.open() and client.data_path == "shared_memory", "no shared-memory session"
         ns = "ns-parts-" + os.urandom(4).hex()
         for _ in range(repeats):
-            out = one_repeat(raw, backend, timed, client, ns, values, metrics_port)
+            out = one_repeat(raw, landing_base, backend, timed, client, ns, values, metrics_port)
             for name, seconds in out.items():
                 rows.setdefault(name, []).append(seconds)
     finally:
@@ -123,7 +134,9 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
             client.close()
         replica.stop()
         backend.close()
+        raw.unregister_buffer(landing_base)
         raw.close()
+        landing.close()
         cluster.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
     ratios = {
@@ -132,8 +145,8 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     }
     return {
         "value_bytes": value_bytes,
-        "blocks": BLOCKS,
-        "batch": BATCH,
+        "blocks": VOLUME // value_bytes,
+        "batch": BATCH_BYTES // value_bytes,
         "repeats": repeats,
         "ms": {name: [round(s * 1000, 2) for s in seconds] for name, seconds in rows.items()},
         "median_ratio_to_raw": {name: round(r, 3) for name, r in ratios.items()},
@@ -143,20 +156,28 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
 
 
 def one_repeat(
-    raw: Any, backend: Any, timed: Timed, client: Any, ns: str, values: list[bytes], metrics_port: int
+    raw: Any,
+    landing: int,
+    backend: Any,
+    timed: Timed,
+    client: Any,
+    ns: str,
+    values: list[bytes],
+    metrics_port: int,
 ) -> dict[str, float]:
     """Every column on fresh blocks (stored raw, through the backend and through the client)."""
     from kvtag.v1 import store_pb2 as pb
     from kvtag_store.backends.base import BlockKey
 
     tag = os.urandom(4).hex()
-    keys = [f"{tag}-{i}".encode() for i in range(BLOCKS)]
-    raw_keys = [f"raw/{tag}-{i}" for i in range(BLOCKS)]
-    batches = [range(s, s + BATCH) for s in range(0, BLOCKS, BATCH)]
+    blocks, batch = VOLUME // len(values[0]), BATCH_BYTES // len(values[0])
+    keys = [f"{tag}-{i}".encode() for i in range(blocks)]
+    raw_keys = [f"raw/{tag}-{i}" for i in range(blocks)]
+    batches = [range(s, s + batch) for s in range(0, blocks, batch)]
     for b in batches:
         raw.put_batch([raw_keys[i] for i in b], [values[i % 8] for i in b])
         backend.put_many(ns, MODE, [((0, BlockKey(keys[i])), values[i % 8]) for i in b])
-        assert client.put([(0, keys[i], values[i % 8], b"") for i in b]) == [pb.STORED] * BATCH
+        assert client.put([(0, keys[i], values[i % 8], b"") for i in b]) == [pb.STORED] * batch
 
     def clock(call: Callable[[range], Any]) -> float:
         started = time.perf_counter()
@@ -176,7 +197,16 @@ def one_repeat(
         got = client.get([(0, keys[i]) for i in b])
         assert all(v is not None and len(v) == len(values[0]) for v in got), "a block was not read"
 
+    size = len(values[0])
+
+    def raw_into(b: range) -> None:
+        codes = raw.batch_get_into(
+            [raw_keys[i] for i in b], [landing + n * size for n in range(len(b))], [size] * len(b)
+        )
+        assert codes == [size] * len(b), codes
+
     out = {"raw_get_batch": clock(lambda b: raw.get_batch([raw_keys[i] for i in b]))}
+    out["raw_batch_get_into"] = clock(raw_into)
     timed.seconds = dict.fromkeys(TIMED, 0.0)
     out["references"] = clock(references)
     backend.unpin(ns, pinned)  # what the Get's lease release does: the slots go back
