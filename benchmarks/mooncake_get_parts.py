@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import dataclasses
 import json
-import mmap
 import os
 import re
 import shutil
@@ -94,10 +93,8 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     cluster, plain = start_cluster(workdir)
     raw = connect(plain)
     # The raw client's destination for batch_get_into: one Get's values, registered once.
-    landing = mmap.mmap(-1, BATCH_BYTES)
-    holder = ctypes.c_char.from_buffer(landing)
-    landing_base = ctypes.addressof(holder)
-    del holder
+    landing = ctypes.create_string_buffer(BATCH_BYTES)
+    landing_base = ctypes.addressof(landing)
     assert raw.register_buffer(landing_base, BATCH_BYTES) == 0, "cannot register the raw landing buffer"
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtag-parts-")
     settings = dataclasses.replace(plain, shm_dir=shm_dir)  # staging: the shared-memory Get
@@ -136,7 +133,6 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
         backend.close()
         raw.unregister_buffer(landing_base)
         raw.close()
-        landing.close()
         cluster.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
     ratios = {
@@ -170,7 +166,8 @@ def one_repeat(
     from kvtag_store.backends.base import BlockKey
 
     tag = os.urandom(4).hex()
-    blocks, batch = VOLUME // len(values[0]), BATCH_BYTES // len(values[0])
+    size = len(values[0])
+    blocks, batch = VOLUME // size, BATCH_BYTES // size
     keys = [f"{tag}-{i}".encode() for i in range(blocks)]
     raw_keys = [f"raw/{tag}-{i}" for i in range(blocks)]
     batches = [range(s, s + batch) for s in range(0, blocks, batch)]
@@ -195,9 +192,7 @@ def one_repeat(
 
     def client_get(b: range) -> None:
         got = client.get([(0, keys[i]) for i in b])
-        assert all(v is not None and len(v) == len(values[0]) for v in got), "a block was not read"
-
-    size = len(values[0])
+        assert all(v is not None and len(v) == size for v in got), "a block was not read"
 
     def raw_into(b: range) -> None:
         codes = raw.batch_get_into(
