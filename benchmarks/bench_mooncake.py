@@ -2,7 +2,9 @@
 
 Four columns per value size, interleaved per repeat so machine noise hits them alike:
 
-- raw:      a plain MooncakeDistributedStore, put_batch / get_batch of the same values;
+- raw:      a plain MooncakeDistributedStore, put_batch / get_batch of the same values, and
+            batch_get_into a buffer registered once (how vLLM's MooncakeStoreConnector loads: straight
+            into registered KV cache);
 - backend:  kvtag's MooncakeBackend in process (headers, checksums, put read-back, existence check),
             batched as the service calls it (put_many) and item by item (put) for comparison;
 - service:  a real `kvtag-store serve --backend mooncake` subprocess through the generated gRPC stubs,
@@ -13,7 +15,9 @@ Four columns per value size, interleaved per repeat so machine noise hits them a
 - client:   kvtag_client's StoreClient (what the connector calls: put, get) against the same
             service over Mooncake, on the shared-memory path (values staged in arena slots Mooncake
             reads into and writes from) and on the inline path, and over the memory backend's
-            shared-memory path for comparison;
+            shared-memory path for comparison; and StoreClient.get_into on the shared-memory path, each
+            value copied once into a buffer allocated once (how the connector's worker loads into the
+            KV cache), against raw batch_get_into;
 - lookup:   an ordered 4,096-key StoreClient.lookup_packed (what the connector's scheduler side
             calls) against the service over Mooncake: of blocks the service stored itself, of
             blocks another replica stored (its first Lookup of them), and of absent blocks; beside
@@ -37,6 +41,7 @@ under `unshare -n` (root) with loopback up.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -117,11 +122,14 @@ class Rig:
     service_mode: str
     # StoreClients: (client, namespace id) per path.
     clients: dict[str, tuple[Any, str]]
+    # Address of one batch's bytes, registered with the raw client: raw batch_get_into's destination.
+    landing: int
 
 
 ROWS = (
     "raw_put",
     "raw_get",
+    "raw_get_into",
     "backend_put",
     "backend_put_many",
     "backend_get",
@@ -138,6 +146,7 @@ ROWS = (
     "client_inline_get",
     "memory_client_shm_put",
     "memory_client_shm_get",
+    "client_shm_get_into",
 )
 CLIENT_PATHS = ("client_shm", "client_inline", "memory_client_shm")
 
@@ -169,6 +178,13 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     def raw_get(b: list[int]) -> None:
         rig.raw.get_batch([raw_keys[i] for i in b])
 
+    size = len(value[0])
+
+    def raw_get_into(b: list[int]) -> None:
+        destinations = [rig.landing + n * size for n in range(len(b))]
+        codes = rig.raw.batch_get_into([raw_keys[i] for i in b], destinations, [size] * len(b))
+        assert codes == [size] * len(b), codes
+
     def backend_get(b: list[int]) -> None:
         rig.backend.get(ns, MODE, [(0, BlockKey(keys[i])) for i in b])
 
@@ -197,6 +213,7 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     for row, call in (
         ("raw_put", raw_put),
         ("raw_get", raw_get),
+        ("raw_get_into", raw_get_into),
         ("backend_put", backend_put),
         ("backend_put_many", backend_put_many),
         ("backend_get", backend_get),
@@ -232,6 +249,20 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
             clock(row + "_put", client_put, client, b)
         for b in batches:
             clock(row + "_get", client_get, client, b)
+    destination = memoryview(bytearray(batch * size))
+
+    def client_get_into(b: list[int]) -> None:
+        def sink(n: int, source: memoryview) -> bool:
+            if len(source) != size:
+                return False
+            destination[n * size : (n + 1) * size] = source
+            return True
+
+        served = rig.clients["client_shm"][0].get_into([(0, ckeys[i]) for i in b], (), sink)
+        assert all(served), served
+
+    for b in batches:
+        clock("client_shm_get_into", client_get_into, b)
     # Free the room for the next repeat once the reads' leases (1 s here) lapse.
     time.sleep(1.1)
     stored = raw_keys + mkeys + [object_key(ns_many, MODE, 0, k) for k in keys]
@@ -309,6 +340,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"sizes": {}}
     loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
     clients: dict[str, tuple[Any, str]] = {}
+    # Raw batch_get_into's destination: one Get's bytes (8 MiB), registered once, as a KV cache is.
+    landing = ctypes.create_string_buffer(8 * MiB)
+    assert raw.register_buffer(ctypes.addressof(landing), 8 * MiB) == 0, "cannot register the landing buffer"
     try:
         kvtag.start()
         memory.start()
@@ -342,6 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ids.namespace_id(ns_desc),
             ids.mode_id(mode()),
             clients,
+            ctypes.addressof(landing),
         )
         for size in sizes:
             count = max(volume // size, 4)
@@ -374,6 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for path in CLIENT_PATHS
                         for op in ("put", "get")
                     },
+                    "client_shm_get_into": median["client_shm_get_into"] / median["raw_get_into"],
                 },
                 # Each repeat's kvtag time over the raw time of the same repeat, the median of those:
                 # noise that moves one repeat moves both columns, so this holds where the ratio of
@@ -384,6 +420,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     for path in CLIENT_PATHS
                     for op in ("put", "get")
+                }
+                | {
+                    "client_shm_get_into": statistics.median(
+                        k / r for k, r in zip(rows["client_shm_get_into"], rows["raw_get_into"], strict=True)
+                    )
                 },
             }
         results["lookup"] = measure_lookups(rig, repeats)
@@ -393,6 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memory.stop()
         kvtag.stop()
         backend.close()
+        raw.unregister_buffer(ctypes.addressof(landing))
         raw.close()
         cluster.stop()
     results["machine"] = {
@@ -447,6 +489,12 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"{label:>8} {op:>4} {med['raw_' + op]:8.1f} {times}   {' ' * 24}{ratios}   {rates}"
                 f"   {paired:11.2f}"
+            )
+        if "client_shm_get_into" in med:
+            lines.append(
+                f"{label:>8} {'into':>4} {med['raw_get_into']:8.1f} {med['client_shm_get_into']:8.1f}"
+                f"   get_into vs raw batch_get_into{' ' * 24}{ratio['client_shm_get_into']:6.2f}"
+                f"{' ' * 45}{row['paired_ratio']['client_shm_get_into']:6.2f}"
             )
     if "lookup" in results:
         p50 = results["lookup"]["p50_ms"]
