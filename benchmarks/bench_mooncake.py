@@ -151,6 +151,12 @@ ROWS = (
 CLIENT_PATHS = ("client_shm", "client_inline", "memory_client_shm")
 
 
+def shape(size: int, volume: int) -> tuple[int, int]:
+    """(values, values per Get or put) for one value size: the volume in batches of ~8 MiB."""
+    count = max(volume // size, 4)
+    return count, max(1, min(count, (8 * MiB) // size))
+
+
 def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[str, float]:
     """One repeat for one value size: every column on fresh keys, seconds per column."""
     from kvtag.v1 import store_pb2 as pb
@@ -341,9 +347,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"sizes": {}}
     loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
     clients: dict[str, tuple[Any, str]] = {}
-    # Raw batch_get_into's destination: one Get's bytes (8 MiB), registered once, as a KV cache is.
-    landing = ctypes.create_string_buffer(8 * MiB)
-    assert raw.register_buffer(ctypes.addressof(landing), 8 * MiB) == 0, "cannot register the landing buffer"
+    # Raw batch_get_into's destination: the largest Get's bytes, registered once, as a KV cache is.
+    landing_bytes = max(size * shape(size, volume)[1] for size in sizes)
+    landing = ctypes.create_string_buffer(landing_bytes)
+    if raw.register_buffer(ctypes.addressof(landing), landing_bytes) != 0:
+        raise SystemExit("Mooncake refused to register the raw client's landing buffer")
     try:
         kvtag.start()
         memory.start()
@@ -380,8 +388,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ctypes.addressof(landing),
         )
         for size in sizes:
-            count = max(volume // size, 4)
-            batch = max(1, min(count, (8 * MiB) // size))
+            count, batch = shape(size, volume)
             values = [os.urandom(size) for _ in range(min(count, 8))]
             rows: dict[str, list[float]] = {k: [] for k in ROWS}
             for _ in range(repeats):
