@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 import time
 import urllib.request
 import uuid
@@ -309,6 +310,43 @@ def test_concurrent_callers_always_read_exact_bytes(mooncake_backend: MooncakeBa
         assert sum(pool.map(worker, range(4))) == 4 * 20 * 8
     # Each block was stored exactly once, however the puts raced.
     assert mooncake_backend.lookup(ns, MODE, list(blocks)) == [KeyStatus.HIT] * len(blocks)
+
+
+def test_writers_racing_on_new_keys_are_never_refused(mooncake_backend: MooncakeBackend) -> None:
+    """Eight writers released at once put overlapping new keys. Mooncake answers 0 to a put of a key
+    another writer's put holds in flight, so a key can be accepted and not there yet. Such a put
+    was answered REJECTED ("not there afterwards"): 156 and 184 of 38,400 outcomes in two stress
+    runs of this shape; waited for instead, none."""
+    outcomes: list[PutOutcome] = []
+    for _ in range(20):
+        ns = "ns-" + uuid.uuid4().hex[:16]
+        every = [(addr(f"r{i}"), bytes([i]) * (1024 + i)) for i in range(32)]
+        start = threading.Barrier(8)
+
+        def writer(
+            seed: int,
+            ns: str = ns,
+            every: list[tuple[BlockAddress, bytes]] = every,
+            start: threading.Barrier = start,
+        ) -> list[PutOutcome]:
+            start.wait(timeout=30)
+            done = []
+            for round_ in range(4):
+                items = [every[(seed * 4 + round_ + j) % len(every)] for j in range(8)]
+                results = mooncake_backend.put_many(ns, MODE, items)
+                refused = [r.reason for r in results if r.outcome is PutOutcome.REJECTED]
+                assert not refused, refused
+                done += [r.outcome for r in results]
+            return done
+
+        with ThreadPoolExecutor(8) as pool:
+            for done in pool.map(writer, range(8)):
+                outcomes += done
+        got = mooncake_backend.get(ns, MODE, [a for a, _ in every])
+        assert [(r.status, r.value) for r in got] == [(KeyStatus.HIT, v) for _, v in every]
+    assert len(outcomes) == 20 * 8 * 4 * 8
+    assert set(outcomes) <= {PutOutcome.STORED, PutOutcome.ALREADY_PRESENT}
+    assert PutOutcome.ALREADY_PRESENT in outcomes  # the writers did overlap
 
 
 def test_service_refuses_to_start_with_a_wrong_metrics_address(own_cluster: MooncakeCluster) -> None:

@@ -44,11 +44,6 @@ _VERIFY_BACKOFF_S = 0.02
 _NO_OUTCOME = PutResult(PutOutcome.REJECTED, "internal: no outcome")
 _ALREADY_PRESENT = PutResult(PutOutcome.ALREADY_PRESENT)
 _STORED = PutResult(PutOutcome.STORED)
-_VANISHED = PutResult(
-    PutOutcome.REJECTED,
-    "Mooncake accepted the put but the value was not there afterwards (removed or evicted at once); "
-    "not counted as stored",
-)
 
 
 def conflict(holder: str) -> PutResult:
@@ -317,9 +312,9 @@ class Writes:
         existence check after the put settles it (the check before it already answered the blocks
         that were there): accepted with 0 and there is STORED, -703 (another writer's put was in
         flight) and there is ALREADY_PRESENT; a block another mode holds too is removed and
-        CONFLICT. `put_batch` returns one code for the whole batch, so a -703 there cannot say
-        which key it was about: those batches are judged by their stored headers (our nonce), and
-        a key of an accepted batch that is not there afterwards is left to the single path."""
+        CONFLICT; accepted and not there yet is waited for, like -703 (another writer's put may be in
+        flight). `put_batch` returns one code for the whole batch, so a -703 there cannot say which
+        key it was about: those batches are judged by their stored headers (our nonce)."""
         if not per_key and any(code == MooncakeCode.OBJECT_ALREADY_EXISTS for code in sent.codes):
             verdicts = self._judge(namespace_id, mode_id, sent)
             judged = [v if isinstance(v, PutResult) else None for v in verdicts]
@@ -335,14 +330,12 @@ class Writes:
                 out.append(PutResult(PutOutcome.REJECTED, self._put_failure(code)))
             elif code == MooncakeCode.OBJECT_ALREADY_EXISTS:
                 out.append(_ALREADY_PRESENT if present else Undecided.IN_FLIGHT)
-            elif not present and not per_key:
-                # put_batch's one code does not say this key was written by this call: another
-                # writer's put of it may still be in flight, not yet visible. The single path
-                # settles it (it puts again and waits for an in-flight writer).
-                out.append(Undecided.IN_FLIGHT)
             elif not present:
-                self._cluster.errors.add(MooncakeCode.OBJECT_NOT_FOUND)
-                out.append(_VANISHED)
+                # Accepted, yet not there: Mooncake answers 0 to a put of a key whose put by another
+                # writer is still in flight (and keeps that one), and put_batch's one code says even
+                # less. That put may not be visible yet: waited for as after -703 (_confirm; after a
+                # batch, the single path puts again first), and REJECTED only if it never shows.
+                out.append(Undecided.IN_FLIGHT)
             elif holder is not None:
                 lost.append(mkey)
                 out.append(conflict(holder))
