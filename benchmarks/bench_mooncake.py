@@ -41,7 +41,6 @@ under `unshare -n` (root) with loopback up.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -56,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import mooncake_raw
 from provenance import git_describe
 
 if TYPE_CHECKING:
@@ -187,9 +187,7 @@ def measure_once(rig: Rig, values: list[bytes], count: int, batch: int) -> dict[
     size = len(value[0])
 
     def raw_get_into(b: list[int]) -> None:
-        destinations = [rig.landing + n * size for n in range(len(b))]
-        codes = rig.raw.batch_get_into([raw_keys[i] for i in b], destinations, [size] * len(b))
-        assert codes == [size] * len(b), codes
+        mooncake_raw.get_into(rig.raw, [raw_keys[i] for i in b], rig.landing, size)
 
     def backend_get(b: list[int]) -> None:
         rig.backend.get(ns, MODE, [(0, BlockKey(keys[i])) for i in b])
@@ -348,10 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loadavg: list[tuple[float, float, float]] = [os.getloadavg()]
     clients: dict[str, tuple[Any, str]] = {}
     # Raw batch_get_into's destination: the largest Get's bytes, registered once, as a KV cache is.
-    landing_bytes = max(size * shape(size, volume)[1] for size in sizes)
-    landing = ctypes.create_string_buffer(landing_bytes)
-    if raw.register_buffer(ctypes.addressof(landing), landing_bytes) != 0:
-        raise SystemExit("Mooncake refused to register the raw client's landing buffer")
+    landing = mooncake_raw.landing(raw, max(size * shape(size, volume)[1] for size in sizes))
     try:
         kvtag.start()
         memory.start()
@@ -385,7 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ids.namespace_id(ns_desc),
             ids.mode_id(mode()),
             clients,
-            ctypes.addressof(landing),
+            landing.base,
         )
         for size in sizes:
             count, batch = shape(size, volume)
@@ -442,7 +437,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         memory.stop()
         kvtag.stop()
         backend.close()
-        raw.unregister_buffer(ctypes.addressof(landing))
+        raw.unregister_buffer(landing.base)
         raw.close()
         cluster.stop()
     results["machine"] = {

@@ -20,7 +20,6 @@ bench_mooncake.py gives the headline ratios; this splits them. Prints a table, w
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -37,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_mooncake import MODE, reexec_in_private_netns, start_cluster  # noqa: E402
+import mooncake_raw  # noqa: E402
+from bench_mooncake import MODE, reexec_in_private_netns, shape, start_cluster  # noqa: E402
 from provenance import git_describe  # noqa: E402
 
 MiB = 1 << 20
-# 32 MiB per repeat in Gets of 8 MiB, as bench_mooncake reads each size (512 x 64 KiB in batches of 128).
-VOLUME, BATCH_BYTES = 32 * MiB, 8 * MiB
+# 32 MiB per repeat in Gets of ~8 MiB, as bench_mooncake reads each size (512 x 64 KiB in batches of 128).
+VOLUME = 32 * MiB
 TIMED = ("batch_is_exist", "batch_get_replica_desc", "batch_get_into_multi_buffers")
 
 
@@ -93,9 +93,8 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     cluster, plain = start_cluster(workdir)
     raw = connect(plain)
     # The raw client's destination for batch_get_into: one Get's values, registered once.
-    landing = ctypes.create_string_buffer(BATCH_BYTES)
-    landing_base = ctypes.addressof(landing)
-    assert raw.register_buffer(landing_base, BATCH_BYTES) == 0, "cannot register the raw landing buffer"
+    blocks, batch = shape(value_bytes, VOLUME)
+    landing = mooncake_raw.landing(raw, batch * value_bytes)
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtag-parts-")
     settings = dataclasses.replace(plain, shm_dir=shm_dir)  # staging: the shared-memory Get
     timed = Timed(connect(settings))
@@ -123,7 +122,7 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
         assert client.open() and client.data_path == "shared_memory", "no shared-memory session"
         ns = "ns-parts-" + os.urandom(4).hex()
         for _ in range(repeats):
-            out = one_repeat(raw, landing_base, backend, timed, client, ns, values, metrics_port)
+            out = one_repeat(raw, landing.base, backend, timed, client, ns, values, metrics_port)
             for name, seconds in out.items():
                 rows.setdefault(name, []).append(seconds)
     finally:
@@ -131,7 +130,7 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
             client.close()
         replica.stop()
         backend.close()
-        raw.unregister_buffer(landing_base)
+        raw.unregister_buffer(landing.base)
         raw.close()
         cluster.stop()
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -141,8 +140,8 @@ def run(value_bytes: int, repeats: int) -> dict[str, Any]:
     }
     return {
         "value_bytes": value_bytes,
-        "blocks": VOLUME // value_bytes,
-        "batch": BATCH_BYTES // value_bytes,
+        "blocks": blocks,
+        "batch": batch,
         "repeats": repeats,
         "ms": {name: [round(s * 1000, 2) for s in seconds] for name, seconds in rows.items()},
         "median_ratio_to_raw": {name: round(r, 3) for name, r in ratios.items()},
@@ -167,7 +166,7 @@ def one_repeat(
 
     tag = os.urandom(4).hex()
     size = len(values[0])
-    blocks, batch = VOLUME // size, BATCH_BYTES // size
+    blocks, batch = shape(size, VOLUME)
     keys = [f"{tag}-{i}".encode() for i in range(blocks)]
     raw_keys = [f"raw/{tag}-{i}" for i in range(blocks)]
     batches = [range(s, s + batch) for s in range(0, blocks, batch)]
@@ -195,10 +194,7 @@ def one_repeat(
         assert all(v is not None and len(v) == size for v in got), "a block was not read"
 
     def raw_into(b: range) -> None:
-        codes = raw.batch_get_into(
-            [raw_keys[i] for i in b], [landing + n * size for n in range(len(b))], [size] * len(b)
-        )
-        assert codes == [size] * len(b), codes
+        mooncake_raw.get_into(raw, [raw_keys[i] for i in b], landing, size)
 
     out = {"raw_get_batch": clock(lambda b: raw.get_batch([raw_keys[i] for i in b]))}
     out["raw_batch_get_into"] = clock(raw_into)

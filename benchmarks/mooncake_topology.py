@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mooncake_raw
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -136,7 +138,7 @@ def worker(load: Load) -> None:
             bases = []
             for area in (source, target):
                 base = ctypes.addressof(ctypes.c_char.from_buffer(area))
-                assert raw.register_buffer(base, load.blocks * size) == 0, "register_buffer failed"
+                mooncake_raw.register(raw, base, load.blocks * size)
                 bases.append(base)
             zeros = bytes(size)
             for i in range(load.blocks):  # both resident before the clock starts, like an engine's KV cache
