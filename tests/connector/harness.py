@@ -8,6 +8,7 @@ class with role WORKER, copying real CPU tensors that this runner fills the way 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -248,6 +249,21 @@ def _build_worker(vc: VllmConfig, kvc: KVCacheConfig, multi: bool) -> Any:
     return KvtagConnector(vc, KVConnectorRole.WORKER, kvc)
 
 
+def engine_block_hasher(vc: VllmConfig, hash_block_size: int) -> Any:
+    """The block hasher EngineCore gives requests: with num_hash_lookahead_tokens where vLLM has it."""
+    lookahead = int(getattr(vc, "num_hash_lookahead_tokens", 0) or 0)
+    if lookahead:
+        return get_request_block_hasher(hash_block_size, sha256, lookahead)
+    return get_request_block_hasher(hash_block_size, sha256)
+
+
+def _req_index_field(req_ids: list[str]) -> dict[str, Any]:
+    """ModelRunnerOutput's req_id_to_index where it still has one (0.32/0.33; gone in 0.34)."""
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        return {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+    return {}
+
+
 def position_value(tokens: Sequence[int], position: int, layer: int) -> float:
     """A layer's KV at `position`: a function of the prefix (the drafter's also of the next token)."""
     acc = 0
@@ -326,15 +342,28 @@ class Engine:
         assert hit is not None
         return hit
 
-    def make_request(self, req_id: str, prompt: Sequence[int], max_tokens: int = 4, **kwargs: Any) -> Request:
+    def make_request(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        max_tokens: int = 4,
+        skip_reading_prefix_cache: bool = False,
+        **kwargs: Any,
+    ) -> Request:
+        """A request hashed as EngineCore hashes it: with the core's lookahead (0.34+ when the connector
+        opted in; 0 before)."""
         init_none_hash(sha256)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            **({"skip_reading_prefix_cache": True} if skip_reading_prefix_cache else {}),
+        )
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
             sampling_params=params,
             pooling_params=None,
-            block_hasher=get_request_block_hasher(self.hash_block_size, sha256),
+            block_hasher=engine_block_hasher(self.vc, self.hash_block_size),
             **kwargs,
         )
         return request
@@ -384,7 +413,7 @@ class Engine:
         self.finished_recving_log.append(set(results.finished_recving))
         mro = ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            **_req_index_field(req_ids),
             sampled_token_ids=[[samples[r]] if r in samples else [] for r in req_ids],
             logprobs=None,
             prompt_logprobs_dict={},

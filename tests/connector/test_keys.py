@@ -69,17 +69,26 @@ def test_connector_keys_match_the_published_canonical_vectors(
         assert got == vector["keys"]
 
 
-def expected_vllm_scheme_keys(tokens: list[int], lookahead: int) -> list[bytes]:
-    """key_scheme=vllm's keys for `tokens`, straight from vLLM: on 0.33 its own lookahead block
-    hashes (kv_cache_utils.get_request_block_hasher with num_hash_lookahead_tokens), on 0.32 its
-    legacy hashes followed by the successor token ids."""
-    request = Request(
+def unhashed_request(tokens: list[int]) -> Request:
+    return Request(
         request_id="expected",
         prompt_token_ids=list(tokens),
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
     )
-    if compat.series() >= (0, 33):
+
+
+def legacy_vllm_hashes(tokens: list[int]) -> list[bytes]:
+    """vLLM's legacy (L=0) block hashes of `tokens`."""
+    return [bytes(h) for h in get_request_block_hasher(B, _sha256())(unhashed_request(tokens))]
+
+
+def expected_vllm_scheme_keys(tokens: list[int], lookahead: int) -> list[bytes]:
+    """key_scheme=vllm's keys for `tokens`, straight from vLLM: on 0.33+ its own lookahead block
+    hashes (kv_cache_utils.get_request_block_hasher with num_hash_lookahead_tokens), on 0.32 its
+    legacy hashes followed by the successor token ids."""
+    request = unhashed_request(tokens)
+    if compat.vllm_has_lookahead_hasher():
         hasher = get_request_block_hasher(B, _sha256(), lookahead)
         return [bytes(h) for h in hasher(request)]
     legacy = get_request_block_hasher(B, _sha256())(request)
@@ -97,12 +106,19 @@ def test_vllm_scheme_uses_the_engine_block_hashes(
     assert engine.connector.lookahead_tokens == 1
     prompt = fresh_prompt(3 * B + 2)
     request = engine.make_request("v", prompt, 1)
-    keys = RequestKeys(request, Geometry(B, B), 1, "vllm", engine.connector._sched().lookahead_hasher)
+    sched = engine.connector._sched()
+    keys = RequestKeys(request, Geometry(B, B), 1, "vllm", sched.lookahead_hasher, sched.legacy_hasher)
     keys.refresh()
     assert keys.num_keyed_blocks() == 3
     assert [keys.key(j) for j in range(3)] == expected_vllm_scheme_keys(prompt, 1)
+    legacy = legacy_vllm_hashes(prompt)
+    if compat.core_decides_lookahead():
+        # 0.34+: the core hashes with lookahead itself; its block_hashes are the keys as they are.
+        assert [keys.key(j) for j in range(3)] == [bytes(h) for h in request.block_hashes[:3]]
+    else:
+        assert legacy[:3] == [bytes(h) for h in request.block_hashes[:3]]
     for j in range(3):
-        assert keys.base_key(j) == bytes(request.block_hashes[j]), "the base key is the engine's hash"
+        assert keys.base_key(j) == legacy[j], "the base key is the engine's legacy (L=0) hash"
         assert keys.key(j) != keys.base_key(j)
     # The probe keys are the engine's own chain over the probe tokens from its NONE_HASH.
     probe = engine.connector.probe_keys()
@@ -114,8 +130,8 @@ def test_vllm_scheme_uses_the_engine_block_hashes(
 def test_vllm_scheme_stores_under_the_vllm_lookahead_hashes_through_the_real_scheduler(
     make_engine: Callable[..., Engine], store: StoreProcess
 ) -> None:
-    """On 0.33, kvtag's key_scheme=vllm lookahead keys are vLLM 0.33's own lookahead block hashes:
-    a save through the real Scheduler lands under them, and a second engine hits every block."""
+    """On 0.33+, kvtag's key_scheme=vllm lookahead keys are vLLM's own lookahead block hashes: a save
+    through the real Scheduler lands under them, and a second engine hits every block."""
     extra = {"key_scheme": "vllm", "engine_id": "vllm-scheme-store"}
     writer = make_engine(store.endpoint, eagle=True, extra=extra)
     prompt = fresh_prompt(4 * B + 3)

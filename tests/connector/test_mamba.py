@@ -72,7 +72,11 @@ def test_follow_up_gets_the_full_hybrid_hit_at_the_prompt_boundary(
     assert load.req_id == "b" and load.asynchronous
     assert reader.finished_recving_log[-1] == {"b"}
     out = reader.step()
-    assert out.num_scheduled_tokens["b"] == len(follow_up) - 2 * H, "the real scheduler takes the hit"
+    # The real scheduler takes the hit: it computes from the prompt boundary on (0.34 may cut this
+    # chunk at a hash block, so the count scheduled is not asserted, only where it starts).
+    assert req.num_computed_tokens - out.num_scheduled_tokens["b"] == 2 * H, (
+        "the real scheduler takes the hit"
+    )
     (state_load,) = [t for t in load.blocks if t.group == 1]
     assert reader.state[state_load.block_id].numpy().tobytes() == state_bytes(prompt, len(prompt))
 
@@ -110,10 +114,15 @@ def test_abort_at_a_tail_boundary_does_not_pin_the_handed_off_tail(
     monkeypatch.setattr(KvtagConnector, "register_finished_partial_tail", recording)
     engine = make_engine(store.endpoint, hybrid=True, eagle=True, extra={"engine_id": "hybrid-tail"})
     request = engine.add("t", fresh_prompt(100), max_tokens=4)
+    # Prefill up to a tail checkpoint (a hash block inside a block): 0.32/0.33 cut the first chunk
+    # there under EAGLE (80); 0.34, hashing with lookahead itself, reaches one a chunk later (96).
     engine.step()
-    assert request.num_computed_tokens == 80, "EAGLE cuts the prefill at the tail checkpoint"
+    if request.num_computed_tokens % H == 0:
+        engine.step()
+    tail = request.num_computed_tokens
+    assert tail % 16 == 0 and tail % H != 0 and tail < 100, f"not at a tail checkpoint: {tail}"
     engine.scheduler.finish_requests("t", RequestStatus.FINISHED_ABORTED)
-    assert offered == [([(1, offered[0][0][0][1], 80)], False)], offered
+    assert offered == [([(1, offered[0][0][0][1], tail)], False)], offered
     assert "t" not in engine.scheduler.requests, "an aborted request's tail is not pinned"
     engine.run()
     assert not any(job.finish for entry in engine.step_log for job in entry["meta"].saves)

