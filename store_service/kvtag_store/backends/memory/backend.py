@@ -11,10 +11,13 @@ a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
 
-An arena is freed (unmapped, its file removed) once no namespace of its tenant remains and it holds
-no slot, unless it is a pool's up-front prefaulted one or a --tenant-quota tenant's; and at most
-`max_tenant_arenas` other tenants hold an arena at once (admit_tenant refuses the next), so tenants
-that clients invent cannot grow the store's memory without bound.
+Which arena a tenant's values go to is the caller's to say (assign_tenant's `arena`: the service
+passes its pool's shared one for tenants that are only labels a client picked, their own for tenants a
+tokens file names), except that --tenant-quota and --shm-group tenants always get their own: the
+operator named them. So the arenas are bounded by what the operator listed, never by what clients
+invent, and no tenant is ever refused for want of one. An arena is freed (unmapped, its file removed)
+once no namespace uses it and it holds no slot, unless it is a pool's up-front prefaulted one or a
+--tenant-quota tenant's.
 
 Tenant quotas split the capacity into pools (pools.py), each evicted LRU on its own
 (allocation.py). This facade owns the lock and the tables; the modules beside it do
@@ -59,9 +62,9 @@ _MISS = KeyStatus.MISS
 # Items stored per lock acquisition in put_many, so a huge batch does not hold the lock long
 # enough to stall the Lookups waiting behind it.
 _PUT_CHUNK = 1024
-# Tenants without a --tenant-quota that may hold an arena at once (each keeps a prefault window
-# touched, up to 64 MiB, and the slots its blocks used).
-MAX_TENANT_ARENAS = 16
+# The arena of namespaces no session has named a tenant for (a direct backend caller's), and of the
+# shared pool's tenants when the caller says so.
+SHARED_ARENA = ""
 
 
 class MemoryBackend:
@@ -83,7 +86,6 @@ class MemoryBackend:
         shm_dir: str | None = None,
         shm_groups: Mapping[str, int] | None = None,
         key_index_lag: int = KEY_INDEX_LAG,
-        max_tenant_arenas: int = MAX_TENANT_ARENAS,
         prefault: str = "full",
         disk_dir: str | None = None,
         disk_capacity: int = 0,
@@ -93,7 +95,6 @@ class MemoryBackend:
         None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
         file is shared with (mode 0660); other tenants' files stay 0600. `key_index_lag`: stores and
         removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup).
-        `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant).
         `prefault`: "full" touches each pool's first arena up to the pool's capacity from its creation
         (RSS committed up front, puts never wait for first touches); "lazy" only a window ahead of use.
         `disk_dir`: the disk tier's directory (None: memory only), `disk_capacity` its size in bytes,
@@ -101,8 +102,6 @@ class MemoryBackend:
         cannot be used. `disk_segment_bytes`: the size of its segment files (the unit its LRU drops)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
-        if max_tenant_arenas <= 0:
-            raise ValueError("max_tenant_arenas must be positive")
         if prefault not in ("full", "lazy"):
             raise ValueError(f"prefault must be full or lazy, got {prefault!r}")
         quotas = dict(tenant_quotas or {})
@@ -124,7 +123,6 @@ class MemoryBackend:
         self._pools = [self._shared, *self._tenant_pools.values()]
         self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
         self._key_index_lag = key_index_lag
-        self._max_tenant_arenas = max_tenant_arenas
         if prefault == "lazy":
             for pool in self._pools:
                 pool.eager_left = 0
@@ -158,20 +156,22 @@ class MemoryBackend:
 
     # -- tenants and arenas ---------------------------------------------------
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
         """Record the namespace's tenant (the service calls this at OpenSession, before any put), so its
-        blocks live in that tenant's pool and arena. Blocks stored before the call move to the pool;
-        they stay in the arena they were written to (only a direct backend caller stores before)."""
+        blocks live in that tenant's pool, and in `arena`'s arena (None: the tenant's own; a quota or
+        --shm-group tenant always has its own). Blocks stored before the call move to the pool; they
+        stay in the arena they were written to (only a direct backend caller stores before)."""
         pool = self._tenant_pools.get(tenant, self._shared)
+        key = self._arena_key(tenant, arena)
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
-                self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
+                self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
                 return
             ns.tenant = tenant
             ns.touched = time.monotonic()
             if not ns.entries:
-                ns.arena = self._arena(tenant)
+                ns.arena = self._arena(key)
             if ns.pool is pool:
                 return
             old = ns.pool
@@ -182,17 +182,19 @@ class MemoryBackend:
                 pool.used += entry.slot.length
             ns.pool = pool
 
-    def admit_tenant(self, tenant: str) -> int | None:
-        """The tenant's arena made ready before a session of it opens: None when it has one or may get
-        one, else the cap it would pass (`max_tenant_arenas` tenants without a quota hold arenas)."""
+    def admit_tenant(self, tenant: str, arena: str | None = None) -> None:
+        """Make the arena a session of the tenant will use (as assign_tenant picks it) ready before the
+        session opens, and mark it used now, so a sweep does not free it in between."""
+        key = self._arena_key(tenant, arena)
         with self._lock:
-            arena = self._arenas.get(tenant)
-            if arena is None:
-                if tenant not in self._tenant_pools and self._arenas_capped() >= self._max_tenant_arenas:
-                    return self._max_tenant_arenas
-                arena = self._arena(tenant)
-            arena.last_used = time.monotonic()
-        return None
+            self._arena(key).last_used = time.monotonic()
+
+    def _arena_key(self, tenant: str, arena: str | None) -> str:
+        """Whose arena the tenant's values go to: its own when the operator named it (a quota or an
+        --shm-group) or the caller asked for none other, else `arena`."""
+        if arena is None or tenant in self._tenant_pools or tenant in self._shm_groups:
+            return tenant
+        return arena
 
     def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:
         """Drop the namespaces (the census forgot them) that hold nothing and no session named since
@@ -239,10 +241,6 @@ class MemoryBackend:
         with self._lock:
             return len(self._namespaces)
 
-    def _arenas_capped(self) -> int:
-        """Arenas of tenants without a quota. Caller holds the lock."""
-        return sum(1 for tenant in self._arenas if tenant not in self._tenant_pools)
-
     def shared_arena(self, namespace_id: str) -> Arena | None:
         """The shared-memory arena holding the namespace's values, or None (anonymous memory)."""
         with self._lock:
@@ -278,9 +276,9 @@ class MemoryBackend:
         self._arenas[tenant] = arena
         return arena
 
-    def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None) -> Namespace:
+    def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None, arena_key: str) -> Namespace:
         """Caller holds the lock."""
-        arena = self._arena(tenant if tenant is not None else "")
+        arena = self._arena(arena_key)
         ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
         disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
         if disk is not None and not disk.degraded:
@@ -288,10 +286,12 @@ class MemoryBackend:
         return ns
 
     def _restored_namespace(self, namespace_id: str, tenant: str | None) -> Namespace:
-        """A namespace the disk tier found records of at start-up, in its tenant's pool. Caller holds
-        the lock."""
+        """A namespace the disk tier found records of at start-up, in its tenant's pool, and in its
+        pool's arena until a session names its tenant (the records hold no memory yet, so a restart
+        makes no arena per tenant it finds). Caller holds the lock."""
         pool = self._tenant_pools.get(tenant, self._shared) if tenant is not None else self._shared
-        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
+        key = self._arena_key(tenant, SHARED_ARENA) if tenant is not None else SHARED_ARENA
+        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
         return ns
 
     def restored(self) -> dict[str, tuple[str | None, frozenset[str]]]:
@@ -304,7 +304,9 @@ class MemoryBackend:
         holds the lock."""
         ns = self._namespaces.get(namespace_id)
         if ns is None:
-            ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, self._shared, None)
+            ns = self._namespaces[namespace_id] = self._new_namespace(
+                namespace_id, self._shared, None, SHARED_ARENA
+            )
         return ns
 
     # -- writes -------------------------------------------------------------
