@@ -49,13 +49,33 @@ from kvtag_store.backends.base import (
 )
 from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
-from kvtag_store.backends.memory.entries import KEY_INDEX_LAG, MISS_BYTE, Namespace, PinnedRuns, checksum
+from kvtag_store.backends.memory.entries import (
+    KEY_INDEX_LAG,
+    MISS_BYTE,
+    LeaseHold,
+    Namespace,
+    PinnedRuns,
+    ReadPins,
+    checksum,
+)
 from kvtag_store.backends.memory.pools import Pool
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
 from kvtag_store.backends.memory.usage import usage_report
 
 log = logging.getLogger("kvtag_store.backends.memory.backend")
+
+
+# A slot a shared-memory Get read a disk record into around a full memory, with its arena and pool.
+AroundSlot = tuple[Arena, Slot, Pool]
+
+
+def _buffer(_ns: Namespace, size: int) -> tuple[bytearray, memoryview]:
+    """Where an inline Get reads a disk record around a full memory: a buffer of its own, as large as
+    the value it replies with."""
+    buffer = bytearray(size)
+    return buffer, memoryview(buffer)
+
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
@@ -400,7 +420,7 @@ class MemoryBackend:
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> tuple[list[KeyStatus], Sequence[BlockAddress]]:
         """Lookup, pinning the hits under the same lock so no eviction slips between the two.
-        Returns the statuses and exactly what was pinned (for the lease to unpin later)."""
+        Returns the statuses and exactly what was pinned (a LeaseHold, for the lease to unpin later)."""
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
@@ -409,15 +429,15 @@ class MemoryBackend:
             pinned: Sequence[BlockAddress] = []
             if ns.disk and _MISS in statuses:
                 ns.disk_statuses(mode_id, addresses, statuses)
-                pinned = [a for a, s in zip(addresses, statuses, strict=True) if s is _HIT]
-                ns.pins.update(pinned)
+                pinned = LeaseHold(a for a, s in zip(addresses, statuses, strict=True) if s is _HIT)
+                ns.holds.update(pinned)
             elif statuses.count(_HIT):
-                pinned = (
+                pinned = LeaseHold(
                     addresses
                     if None not in found
-                    else [a for a, e in zip(addresses, found, strict=True) if e is not None]
+                    else (a for a, e in zip(addresses, found, strict=True) if e is not None)
                 )
-                ns.pins.update(pinned)
+                ns.holds.update(pinned)
         return statuses, pinned
 
     def lookup_packed_and_pin(
@@ -437,18 +457,37 @@ class MemoryBackend:
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
         a failing value is dropped, counted in corrupted_dropped and answered as a MISS. Values held on
-        disk only are read back into memory first (a failing record is dropped and answered as a MISS)."""
-        if self._disk is not None:
-            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
-        return self._reader.get(namespace_id, mode_id, addresses)
+        disk only are read back into memory first, or into a private buffer when memory has no room
+        (a failing record is dropped and answered as a MISS)."""
+        if self._disk is None:
+            return self._reader.get(namespace_id, mode_id, addresses)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
+        try:
+            results = self._reader.get(namespace_id, mode_id, addresses)
+        finally:
+            self.unpin(namespace_id, back.held)
+        for i, address in enumerate(addresses):
+            if results[i].status is not _HIT and address in back.around:
+                results[i] = ReadResult(_HIT, bytes(back.around[address][0]))
+        return results
 
     def get_views(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
-        until the caller unpins it, so an inline Get reply is built straight from the arena."""
-        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
-        return self._reader.get_views(namespace_id, mode_id, addresses, trusted)
+        until the caller unpins it, so an inline Get reply is built straight from the arena. A value
+        read around a full memory is a view of its own buffer (nothing to unpin)."""
+        if self._disk is None:
+            return self._reader.get_views(namespace_id, mode_id, addresses)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
+        try:
+            results, pinned = self._reader.get_views(namespace_id, mode_id, addresses, back.trusted)
+        finally:
+            self.unpin(namespace_id, back.held)
+        for i, address in enumerate(addresses):
+            if results[i].status is not _HIT and address in back.around:
+                results[i] = ReadResult(_HIT, memoryview(back.around[address][0]))
+        return results, pinned
 
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
@@ -457,13 +496,60 @@ class MemoryBackend:
         holds under a lease until the reader released them (unpin). With `verify` a failing value is
         dropped and answered as a MISS, like get; without it each reference carries the committed
         digest for the reader to check its copy against. A disk-resident value is read back first,
-        straight into the slot the reader copies from."""
-        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
-        return self._reader.get_references(namespace_id, mode_id, addresses, verify, trusted)
+        straight into the slot the reader copies from: a new entry's, or when memory has no room, a
+        slot of the arena outside the pool's bytes that the lease holds (ReadPins), at most the pool's
+        capacity of them at once."""
+        if self._disk is None:
+            return self._reader.get_references(namespace_id, mode_id, addresses, verify)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, self._around_slot)
+        try:
+            statuses, references, pinned = self._reader.get_references(
+                namespace_id, mode_id, addresses, verify, back.trusted
+            )
+        finally:
+            self.unpin(namespace_id, back.held)
+        self._free_around(back.failed)
+        if not back.around:
+            return statuses, references, pinned
+        used: dict[int, AroundSlot] = {}
+        for i, address in enumerate(addresses):
+            if statuses[i] is _HIT or address not in back.around:
+                continue
+            (arena, slot, pool), digest = back.around[address]
+            statuses[i] = _HIT
+            references[i] = SlotReference(
+                arena.segment, slot.offset, slot.length, slot.generation, None if verify else digest
+            )
+            used[slot.generation] = (arena, slot, pool)
+        # Served from memory after all (another Get promoted it meanwhile): free it now.
+        self._free_around([t for t, _ in back.around.values() if t[1].generation not in used])
+        return statuses, references, ReadPins(pinned, list(used.values()))
 
     def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
         """A slot for a value read back from disk (the disk tier calls it under the lock)."""
         return self._allocator.allocate(ns, size)
+
+    def _around_slot(self, ns: Namespace, size: int) -> tuple[AroundSlot, memoryview] | None:
+        """A slot of the namespace's arena for a value a shared-memory Get reads around a full memory,
+        outside the pool's used and reserved bytes, up to the pool's capacity of them (the arena has
+        room for twice it); None past that (the value is a MISS for this Get). Caller holds the lock."""
+        pool = ns.pool
+        if pool.around + size > pool.capacity:
+            return None
+        slot = ns.arena.allocate(size, next(self._allocator.generations))
+        if slot is None:
+            return None
+        pool.around += size
+        arena = ns.arena
+        return (arena, slot, pool), arena.view[slot.offset : slot.offset + slot.length]
+
+    def _free_around(self, around: Sequence[AroundSlot]) -> None:
+        if not around:
+            return
+        with self._lock:
+            for arena, slot, pool in around:
+                arena.free(slot)
+                pool.around -= slot.length
 
     # -- leases -------------------------------------------------------------
 
@@ -474,10 +560,14 @@ class MemoryBackend:
                 ns.pins.update(addresses)
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        """Release pins or a lease; a shared-memory Get's (ReadPins) frees its read-around slots too."""
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is not None:
                 ns.unpin(addresses)
+        if isinstance(addresses, ReadPins):
+            around, addresses.around = addresses.around, []  # a lease released twice frees them once
+            self._free_around(around)
 
     # -- reporting ----------------------------------------------------------
 
