@@ -228,7 +228,7 @@ def test_with_tokens_an_unauthenticated_flood_cannot_make_the_store_refuse_a_gra
                         unary(_mutate(valid[method], rng), metadata=metadata, timeout=10)
                     outcome = "OK"
                 except grpc.RpcError as exc:
-                    outcome = exc.code().name  # type: ignore[attr-defined]
+                    outcome = exc.code().name
                 with lock:
                     refusals[outcome] += 1
 
