@@ -145,7 +145,7 @@ class ServeDefaults:
     capacity_bytes: int = 1 << 30
     metrics_listen: str = "127.0.0.1:9464"
     workers: int = 16
-    # Memory backend: tenants without a --tenant-quota holding an arena at once (docs/operations.md).
+    # Deprecated, ignored (a warning when set): the flag's default, to tell a command line that sets it.
     max_tenant_arenas: int = 16
     # Memory backend: "full" touches the capacity up front, "lazy" only a window ahead of use.
     prefault: str = "full"
@@ -222,8 +222,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     flag(
         "--max-tenant-arenas",
         str(SERVE.max_tenant_arenas),
-        "memory backend: tenants without a --tenant-quota holding an arena (memory of their own) at once; "
-        "a session of one more tenant is refused NAMESPACE_CAP_REACHED until one's namespaces are forgotten",
+        "deprecated, ignored: tenant arenas are bounded by what the operator names (--tenant-quota, "
+        "--shm-group, the --auth-tokens file), and no tenant is refused for want of one",
     )
     flag(
         "--prefault",

@@ -186,15 +186,16 @@ def test_a_writer_killed_mid_put_leaves_no_value_and_no_reserved_slot(
 
 
 def test_unmappable_arena_falls_back_to_inline_and_says_so_once(
-    shared_store: StoreProcess, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+    start_store: StoreFactory, make_client: ClientFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    first = _shm_client(make_client, shared_store.endpoint, tenant="fallback")
+    store = start_store()  # its own: without tokens every tenant maps the one arena this test removes
+    first = _shm_client(make_client, store.endpoint, tenant="fallback")
     first_arena = first.shm.arena()
     assert first_arena is not None
     arena_path = Path("/dev/shm") / first_arena.segment
     arena_path.unlink()  # as if the engine saw another /dev/shm: the offered file is not there
     caplog.set_level(logging.INFO, logger="kvtag_client.store")
-    second = make_client(shared_store.endpoint, tenant="fallback")
+    second = make_client(store.endpoint, tenant="fallback")
     assert second.open()
     assert second.data_path == "inline"
     assert second.put([(0, b"inline", b"still-stored", b"")]) == [pb.STORED]

@@ -42,7 +42,7 @@ class SessionDesk:
         session_ttl_ms: int,
     ) -> None:
         """`tenants`: the backend when it keeps tenants apart (told each namespace's tenant), else None.
-        `forgetting`: the backend when it bounds the tenants holding memory (admit_tenant), else None."""
+        `forgetting`: the backend when it holds memory per tenant (admit_tenant), else None."""
         self.sessions = sessions
         self.access = access
         self.census = census
@@ -71,8 +71,9 @@ class SessionDesk:
         tenant = request.namespace.tenant
         try:
             self.sessions.check_room(tenant)  # the session caps, before the census keeps anything
-            if self.forgetting is not None and (limit := self.forgetting.admit_tenant(tenant)) is not None:
-                raise _arena_cap(limit, tenant)
+            arena = self.access.arena_of(tenant)
+            if self.forgetting is not None:
+                self.forgetting.admit_tenant(tenant, arena)
             verdict = self.census.admit(request)
             session = self.sessions.open(
                 request.engine_id, verdict.namespace_id, verdict.mode_id, dict(request.labels), tenant
@@ -82,7 +83,7 @@ class SessionDesk:
             raise
         self.counting.session_admitted(verdict.warnings)
         if self.tenants is not None:
-            self.tenants.assign_tenant(verdict.namespace_id, tenant)
+            self.tenants.assign_tenant(verdict.namespace_id, tenant, arena)
         offer = (
             self.slots.offer(verdict.namespace_id)
             if pb.DATA_PATH_SHARED_MEMORY in request.data_paths
@@ -139,19 +140,6 @@ class SessionDesk:
     def _end(self, session: Session) -> None:
         self.slots.cancel_all(session)
         self.census.left(session)
-
-
-def _arena_cap(limit: int, tenant: str) -> errors.ApiError:
-    """A new tenant past --max-tenant-arenas: NAMESPACE_CAP_REACHED (its first namespace needs an arena
-    of its own), metadata cap and limit as the other caps."""
-    return errors.ApiError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        pb.ErrorReason.Name(pb.NAMESPACE_CAP_REACHED),
-        f"{limit} tenants hold memory of their own, the --max-tenant-arenas cap, and tenant "
-        f"`{tenant or '(shared)'}` has none; a tenant's arena is freed once its namespaces are forgotten "
-        "(--census-retention), so retry later, use an existing tenant, or raise the cap",
-        {"metadata": {"cap": "max-tenant-arenas", "limit": str(limit)}},
-    )
 
 
 def _tenant_check(principal: Principal) -> Callable[[str], bool] | None:

@@ -154,7 +154,6 @@ def _build_backend(args: argparse.Namespace, security: options.Security) -> tupl
         security.tenant_quotas,
         shm_dir=args.shm_dir or None,
         shm_groups=security.shm_groups,
-        max_tenant_arenas=int(args.max_tenant_arenas),
         prefault=args.prefault,
         disk_dir=disk_dir or None,
         disk_capacity=disk_capacity(disk_dir, str(args.disk_capacity), capacity) if disk_dir else 0,
@@ -235,6 +234,11 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_reload)
+    if str(args.max_tenant_arenas) != str(SERVE.max_tenant_arenas):
+        log.warning(
+            "--max-tenant-arenas is deprecated and ignored: tenants get an arena of their own only when "
+            "named by --tenant-quota, --shm-group or the --auth-tokens file (docs/operations.md)"
+        )
     try:
         backend, census_store = _build_backend(args, security)
     except DiskDirError as exc:  # names the path and the reason, including "another store holds it"

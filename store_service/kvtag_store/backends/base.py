@@ -175,7 +175,10 @@ class TenantAware(Protocol):
     """Keeps each tenant's blocks apart (its pool, quota or arena), so it is told a namespace's tenant
     when a session opens, before any put."""
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None: ...
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
+        """`arena`: whose shared-memory arena the namespace's values use (None: the tenant's own);
+        the service passes one shared by tenants that are only client-chosen labels."""
+        ...
 
 
 @runtime_checkable
@@ -256,11 +259,12 @@ class SharedMemoryBackend(Protocol):
 @runtime_checkable
 class Forgetting(Protocol):
     """Holds memory per namespace and per tenant (the memory backend's arenas) that it gives back once
-    nothing uses it, and bounds how many tenants hold such memory at once."""
+    nothing uses it."""
 
-    def admit_tenant(self, tenant: str) -> int | None:
-        """Make room for the tenant's memory before a session of it opens: None when it has it or there
-        is room, else the cap (how many tenants may hold memory) it would pass."""
+    def admit_tenant(self, tenant: str, arena: str | None = None) -> None:
+        """Make the tenant's memory (in `arena`'s arena, as assign_tenant) ready before a session of it
+        opens. Never refuses: which tenants get memory of their own is bounded by what the operator
+        names (quotas, tokens file), not by a cap clients could fill."""
         ...
 
     def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:

@@ -74,7 +74,7 @@ class StoreMetrics:
         gauge.set_function(lambda: float(namespaces()))
 
     def watch_arenas(self, arenas: Callable[[], int], prefault: Callable[[], tuple[int, int]]) -> None:
-        """The memory backend's tenant arenas (--max-tenant-arenas bounds them) and its up-front prefault:
+        """The memory backend's tenant arenas (what the operator names bounds them) and its up-front prefault:
         touched reaching target means the store has settled (docs/operations.md, "Prefault")."""
         Gauge("kvtag_tenant_arenas", "Tenant arenas held", registry=self.registry).set_function(
             lambda: float(arenas())

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from kvtag_store import errors
-from kvtag_store.security.tokens import Principal, TokenRegistry
+from kvtag_store.security.tokens import ALL_TENANTS, Principal, TokenRegistry
 
 log = logging.getLogger("kvtag_store.security.access")
 
@@ -25,6 +25,10 @@ log = logging.getLogger("kvtag_store.security.access")
 # reflection only describes the public schema.
 GATED_PREFIX = "/kvtag.v1.KvStore/"
 AUTHORIZATION = "authorization"
+# The arenas of tenants that get none of their own (Access.arena_of): the shared pool's, and with
+# tokens the one of tenants only a "*" grant reaches (whoever reaches one reaches them all).
+SHARED_ARENA = ""
+WILDCARD_ARENA = ALL_TENANTS
 
 
 def authorization_header(metadata: Any) -> str | None:
@@ -68,6 +72,16 @@ class Access:
         if not principal.may_use(tenant):
             raise errors.tenant_not_granted(principal.name, tenant)
         return principal
+
+    def arena_of(self, tenant: str) -> str:
+        """Whose arena (shared-memory values) a session of `tenant` uses. Without tokens a tenant is a
+        label any client picks, so an arena of its own would isolate nothing and let clients add
+        arenas without bound: every tenant shares its pool's. With tokens, a tenant the tokens file
+        names has its own (the file bounds how many); the rest are reached only through "*" grants
+        and share one. The backend still gives quota and --shm-group tenants their own."""
+        if not self.tokens.enabled:
+            return SHARED_ARENA
+        return tenant if self.tokens.names(tenant) else WILDCARD_ARENA
 
     def viewer(self, context: grpc.ServicerContext, rpc: str) -> Principal:
         """The caller of Diagnose or GetStats: a viewer or an admin (what it sees is filtered)."""

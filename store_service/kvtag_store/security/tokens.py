@@ -160,6 +160,7 @@ class TokenRegistry:
     def __init__(self, path: Path | None, table: dict[str, Principal] | None) -> None:
         self.path = path
         self._table = table
+        self._named = _named_tenants(table)
 
     @classmethod
     def disabled(cls) -> TokenRegistry:
@@ -177,6 +178,12 @@ class TokenRegistry:
 
     def __len__(self) -> int:
         return len(self._table or {})
+
+    def names(self, tenant: str) -> bool:
+        """True when an entry that opens sessions names `tenant` itself (not through "*"): the tenants
+        the operator listed, the only ones a tenant arena of their own is made for (a name reached
+        through "*" is the caller's choice, unbounded)."""
+        return tenant in self._named
 
     def authenticate(self, authorization: str | None) -> Principal | None:
         """The principal of an `authorization` header value, ANONYMOUS when authentication is off,
@@ -199,9 +206,21 @@ class TokenRegistry:
         except TokenFileError as exc:
             log.error("tokens file not reloaded, the previous tokens stay in force: %s", exc)
             return False
+        self._named = _named_tenants(table)
         self._table = table  # one reference swap: readers see the old table or the new one
         log.info("tokens reloaded", extra={"tokens": len(table), "path": str(self.path)})
         return True
+
+
+def _named_tenants(table: dict[str, Principal] | None) -> frozenset[str]:
+    """The tenants the table's session-opening entries name, "*" aside."""
+    return frozenset(
+        tenant
+        for principal in (table or {}).values()
+        if principal.opens_sessions
+        for tenant in principal.tenants
+        if tenant != ALL_TENANTS
+    )
 
 
 def _read(path: Path) -> dict[str, Principal]:

@@ -49,7 +49,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 from kvtag_store.backends.arena import Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, PutResult, TierUsage
@@ -108,6 +109,33 @@ class WriteQueue(deque[tuple[Any, ...]]):
     def clear(self) -> None:
         super().clear()
         self.unwritten = 0
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class ReadBack(Generic[T]):
+    """What read_back did for one Get: `trusted`, ids of the entries it inserted (verified just now, the
+    Get need not hash them again); `held`, addresses it pinned for the reader (unpin them once the
+    reader pinned its own); `around`, address -> (target handle, digest) of values read around a full
+    memory; `failed`, around targets whose record failed (the caller frees them)."""
+
+    trusted: set[int]
+    held: list[BlockAddress]
+    around: dict[BlockAddress, tuple[T, int]]
+    failed: list[T] = field(default_factory=list)
+
+
+class _ReadJob(NamedTuple):
+    address: BlockAddress
+    key: bytes
+    packed: int
+    where: records.Location
+    segment: Segment
+    view: memoryview  # where the value is read to
+    slot: Slot | None  # a new entry's slot, None when read around memory
+    handle: object  # the around target's handle (None for a slot)
 
 
 class _Job(NamedTuple):
@@ -588,30 +616,51 @@ class DiskTier:
     # -- the read path ---------------------------------------------------------
 
     def read_back(
-        self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], allocate: Callable[..., Any]
-    ) -> set[int]:
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Sequence[BlockAddress],
+        allocate: Callable[..., Any],
+        around: Callable[[Namespace, int], tuple[T, memoryview] | None],
+    ) -> ReadBack[T]:
         """Promote the addresses held on disk only (in this mode) into memory: a slot each
         (`allocate(ns, size)`, evicting as needed), the value preadv'd straight into it, checked
-        against its header, inserted as an entry already on disk. A failing record is dropped and
-        counted; an I/O error turns the tier off. Returns the ids of the entries inserted: their
-        values were verified just now, so the Get need not hash them again."""
-        inserted: set[int] = set()
+        against its header, inserted as an entry already on disk. When memory has no room (what is
+        left is pinned by reads, or leased and not on disk), the value is read around it, into
+        `around(ns, size)`'s target (a handle and its writable view; None: a MISS for this Get), so a
+        block a Lookup leased loads whatever other leases hold. A failing record is dropped and
+        counted; an I/O error turns the tier off.
+
+        This Get's memory hits and the entries it inserts are returned pinned (`held`), so neither this
+        Get's allocations nor another's evict them before the reader pins them: unpin `held` once it
+        has."""
+        back: ReadBack[T] = ReadBack(set(), [], {})
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None or not ns.disk or self.degraded:
-                return inserted
+                return back
             number = self._mode_numbers.get(mode_id)
             if number is None:
-                return inserted
-            jobs: list[tuple[BlockAddress, bytes, int, records.Location, Segment, Slot]] = []
+                return back
+            jobs: list[_ReadJob] = []
             entries, disk, segments = ns.entries, ns.disk, self._segments
             lru, ns_id = ns.pool.lru, ns.namespace_id
+            wanted: list[BlockAddress] = []
             for address in addresses:
                 held = entries.get(address)
-                if held is not None:  # this Get's memory hits: the last the read-backs evict
+                if held is not None:  # this Get's memory hits: pinned, so its read-backs evict others
                     if held.mode_id == mode_id:
                         lru.move_to_end((ns_id, address))
+                        back.held.append(address)
                     continue
+                wanted.append(address)
+            ns.pins.update(back.held)
+            arena = ns.arena
+            seen: set[BlockAddress] = set()
+            for address in wanted:
+                if address in seen:
+                    continue
+                seen.add(address)
                 key = index_key(address[0], address[1])
                 packed = disk.get(key)
                 if packed is None or records.mode_number_of(packed) != number:
@@ -621,53 +670,65 @@ class DiskTier:
                 if segment is None:
                     continue
                 slot = allocate(ns, where.value_length)
-                if not isinstance(slot, Slot):
-                    break  # no room in memory: the rest stay on disk (a MISS for this Get)
+                if isinstance(slot, Slot):
+                    view = arena.view[slot.offset : slot.offset + slot.length]
+                    jobs.append(_ReadJob(address, key, packed, where, segment, view, slot, None))
+                else:
+                    target = around(ns, where.value_length)
+                    if target is None:
+                        continue  # no room at all: a MISS for this Get
+                    jobs.append(_ReadJob(address, key, packed, where, segment, target[1], None, target[0]))
                 segment.readers += 1
-                jobs.append((address, key, packed, where, segment, slot))
             if not jobs:
-                return inserted
+                return back
             ns.writers += 1
-            arena = ns.arena
         failures: list[tuple[str, OSError]] = []
 
-        def read(job: tuple[BlockAddress, bytes, int, records.Location, Segment, Slot]) -> int | None:
-            """The value's digest once read into its slot and verified, None when it failed. preadv
+        def read(job: _ReadJob) -> int | None:
+            """The value's digest once read into its target and verified, None when it failed. preadv
             and xxh3 release the GIL: a Get's records are read and checked side by side."""
-            address, _, _, where, segment, slot = job
             if failures:
                 return None
-            meta = bytearray(where.meta)
-            view = arena.view[slot.offset : slot.offset + slot.length]
+            meta = bytearray(job.where.meta)
             try:
-                got = os.preadv(segment.fd, [meta, view], where.offset)
+                got = os.preadv(job.segment.fd, [meta, job.view], job.where.offset)
             except OSError as exc:
-                failures.append((segment.path, exc))
+                failures.append((job.segment.path, exc))
                 return None
-            return _verified(meta, view, got, namespace_id, mode_id, address, where)
+            return _verified(meta, job.view, got, namespace_id, mode_id, job.address, job.where)
 
         outcomes = list(self._readers().map(read, jobs)) if len(jobs) > 1 else [read(jobs[0])]
         failure = failures[0] if failures else None
         with self._lock:
             ns.writers -= 1
-            for (address, key, packed, _, segment, slot), digest in zip(jobs, outcomes, strict=True):
+            for job, digest in zip(jobs, outcomes, strict=True):
+                segment = job.segment
                 segment.readers -= 1
                 if segment.dropped and segment.readers == 0:
                     segment.release()
                 if digest is not None:
+                    self.reads_back += 1
+                    self._clock += 1
+                    segment.last_hit = self._clock
+                    if job.slot is None:
+                        back.around[job.address] = (cast(T, job.handle), digest)
+                        continue
                     # A segment dropped while it was read: the value is in memory only again.
-                    on_disk = None if segment.dropped else packed
-                    result: PutResult = ns.insert(mode_id, address, slot, digest, on_disk)
+                    on_disk = None if segment.dropped else job.packed
+                    result: PutResult = ns.insert(mode_id, job.address, job.slot, digest, on_disk)
                     if result is STORED:
-                        inserted.add(id(ns.entries[address]))
-                        self.reads_back += 1
-                        self._clock += 1
-                        segment.last_hit = self._clock
+                        back.trusted.add(id(ns.entries[job.address]))
+                    if job.address in ns.entries:
+                        ns.pins[job.address] += 1
+                        back.held.append(job.address)
                     continue
-                arena.free(slot)
-                ns.pool.reserved -= slot.length
-                if failure is None and ns.disk.get(key) == packed:
-                    del ns.disk[key]
+                if job.slot is not None:
+                    arena.free(job.slot)
+                    ns.pool.reserved -= job.slot.length
+                else:
+                    back.failed.append(cast(T, job.handle))
+                if failure is None and ns.disk.get(job.key) == job.packed:
+                    del ns.disk[job.key]
                     self.corrupted += 1
                     log.warning(
                         "disk tier: a record in %s failed its checks; dropped (the engine recomputes it)",
@@ -675,7 +736,7 @@ class DiskTier:
                     )
         if failure is not None:
             self._degrade("read", *failure)
-        return inserted
+        return back
 
     def _readers(self) -> ThreadPoolExecutor:
         """The threads a Get's read-backs run on, started at the first Get that needs them."""

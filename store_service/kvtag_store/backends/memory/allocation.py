@@ -2,7 +2,9 @@
 
 A slot handed out here counts in its pool's reserved bytes until it is inserted (Namespace.insert) or
 freed, so committed plus reserved bytes never exceed the pool's capacity. Pinned blocks (reads in
-progress, leases) are never evicted. Every method runs under the backend's lock.
+progress, leases) are never evicted, but a block a Lookup leased may leave memory once its bytes are on
+disk (Namespace.evictable): the lease then holds its disk record. Every method runs under the backend's
+lock.
 """
 
 from __future__ import annotations
@@ -69,15 +71,15 @@ class Allocator:
         return slot
 
     def _pinned_bytes(self, pool: Pool) -> int:
-        """Bytes of the pool held by leases and reservations. O(pinned keys): only needed when it is
-        full."""
+        """Bytes of the pool that cannot be evicted (leases, reads) and reservations. O(pinned keys):
+        only needed when it is full."""
         total = pool.reserved
         for ns in self._namespaces.values():
             if ns.pool is not pool:
                 continue
             for address in ns.pinned_addresses():
                 entry = ns.entries.get(address)
-                if entry is not None:
+                if entry is not None and not ns.evictable(address, entry):
                     total += entry.slot.length
         return total
 
@@ -95,11 +97,12 @@ class Allocator:
         for store_key in pool.lru:
             ns_id, address = store_key
             ns = namespaces[ns_id]
-            if ns.pinned(address):
+            entry = ns.entries[address]
+            if not ns.evictable(address, entry):
                 leased.append(store_key)
                 continue
             victims.append(store_key)
-            freed += ns.entries[address].slot.length
+            freed += entry.slot.length
             if freed >= need:
                 break
         deque(map(pool.lru.move_to_end, leased), maxlen=0)
@@ -124,7 +127,8 @@ class Allocator:
             (ns_id, address)
             for pool in self._pools
             for ns_id, address in pool.lru
-            if namespaces[ns_id].arena is arena and not namespaces[ns_id].pinned(address)
+            if namespaces[ns_id].arena is arena
+            and namespaces[ns_id].evictable(address, namespaces[ns_id].entries[address])
         ]
         for ns_id, address in candidates:
             self._evict(namespaces[ns_id], address)

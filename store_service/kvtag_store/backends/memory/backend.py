@@ -11,10 +11,13 @@ a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
 
-An arena is freed (unmapped, its file removed) once no namespace of its tenant remains and it holds
-no slot, unless it is a pool's up-front prefaulted one or a --tenant-quota tenant's; and at most
-`max_tenant_arenas` other tenants hold an arena at once (admit_tenant refuses the next), so tenants
-that clients invent cannot grow the store's memory without bound.
+Which arena a tenant's values go to is the caller's to say (assign_tenant's `arena`: the service
+passes its pool's shared one for tenants that are only labels a client picked, their own for tenants a
+tokens file names), except that --tenant-quota and --shm-group tenants always get their own: the
+operator named them. So the arenas are bounded by what the operator listed, never by what clients
+invent, and no tenant is ever refused for want of one. An arena is freed (unmapped, its file removed)
+once no namespace uses it and it holds no slot, unless it is a pool's up-front prefaulted one or a
+--tenant-quota tenant's.
 
 Tenant quotas split the capacity into pools (pools.py), each evicted LRU on its own
 (allocation.py). This facade owns the lock and the tables; the modules beside it do
@@ -46,7 +49,15 @@ from kvtag_store.backends.base import (
 )
 from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
-from kvtag_store.backends.memory.entries import KEY_INDEX_LAG, MISS_BYTE, Namespace, PinnedRuns, checksum
+from kvtag_store.backends.memory.entries import (
+    KEY_INDEX_LAG,
+    MISS_BYTE,
+    LeaseHold,
+    Namespace,
+    PinnedRuns,
+    ReadPins,
+    checksum,
+)
 from kvtag_store.backends.memory.pools import Pool
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
@@ -54,14 +65,26 @@ from kvtag_store.backends.memory.usage import usage_report
 
 log = logging.getLogger("kvtag_store.backends.memory.backend")
 
+
+# A slot a shared-memory Get read a disk record into around a full memory, with its arena and pool.
+AroundSlot = tuple[Arena, Slot, Pool]
+
+
+def _buffer(_ns: Namespace, size: int) -> tuple[bytearray, memoryview]:
+    """Where an inline Get reads a disk record around a full memory: a buffer of its own, as large as
+    the value it replies with."""
+    buffer = bytearray(size)
+    return buffer, memoryview(buffer)
+
+
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
 # Items stored per lock acquisition in put_many, so a huge batch does not hold the lock long
 # enough to stall the Lookups waiting behind it.
 _PUT_CHUNK = 1024
-# Tenants without a --tenant-quota that may hold an arena at once (each keeps a prefault window
-# touched, up to 64 MiB, and the slots its blocks used).
-MAX_TENANT_ARENAS = 16
+# The arena of namespaces no session has named a tenant for (a direct backend caller's), and of the
+# shared pool's tenants when the caller says so.
+SHARED_ARENA = ""
 
 
 class MemoryBackend:
@@ -83,7 +106,6 @@ class MemoryBackend:
         shm_dir: str | None = None,
         shm_groups: Mapping[str, int] | None = None,
         key_index_lag: int = KEY_INDEX_LAG,
-        max_tenant_arenas: int = MAX_TENANT_ARENAS,
         prefault: str = "full",
         disk_dir: str | None = None,
         disk_capacity: int = 0,
@@ -93,7 +115,6 @@ class MemoryBackend:
         None keeps values in anonymous memory (inline path only). `shm_groups`: tenant -> gid its arena
         file is shared with (mode 0660); other tenants' files stay 0600. `key_index_lag`: stores and
         removals the packed Lookup's key index may trail by (it catches up at the next packed Lookup).
-        `max_tenant_arenas`: tenants without a quota that may hold an arena at once (admit_tenant).
         `prefault`: "full" touches each pool's first arena up to the pool's capacity from its creation
         (RSS committed up front, puts never wait for first touches); "lazy" only a window ahead of use.
         `disk_dir`: the disk tier's directory (None: memory only), `disk_capacity` its size in bytes,
@@ -101,8 +122,6 @@ class MemoryBackend:
         cannot be used. `disk_segment_bytes`: the size of its segment files (the unit its LRU drops)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity must be positive")
-        if max_tenant_arenas <= 0:
-            raise ValueError("max_tenant_arenas must be positive")
         if prefault not in ("full", "lazy"):
             raise ValueError(f"prefault must be full or lazy, got {prefault!r}")
         quotas = dict(tenant_quotas or {})
@@ -124,7 +143,6 @@ class MemoryBackend:
         self._pools = [self._shared, *self._tenant_pools.values()]
         self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
         self._key_index_lag = key_index_lag
-        self._max_tenant_arenas = max_tenant_arenas
         if prefault == "lazy":
             for pool in self._pools:
                 pool.eager_left = 0
@@ -158,20 +176,22 @@ class MemoryBackend:
 
     # -- tenants and arenas ---------------------------------------------------
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
         """Record the namespace's tenant (the service calls this at OpenSession, before any put), so its
-        blocks live in that tenant's pool and arena. Blocks stored before the call move to the pool;
-        they stay in the arena they were written to (only a direct backend caller stores before)."""
+        blocks live in that tenant's pool, and in `arena`'s arena (None: the tenant's own; a quota or
+        --shm-group tenant always has its own). Blocks stored before the call move to the pool; they
+        stay in the arena they were written to (only a direct backend caller stores before)."""
         pool = self._tenant_pools.get(tenant, self._shared)
+        key = self._arena_key(tenant, arena)
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
-                self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
+                self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
                 return
             ns.tenant = tenant
             ns.touched = time.monotonic()
             if not ns.entries:
-                ns.arena = self._arena(tenant)
+                ns.arena = self._arena(key)
             if ns.pool is pool:
                 return
             old = ns.pool
@@ -182,17 +202,19 @@ class MemoryBackend:
                 pool.used += entry.slot.length
             ns.pool = pool
 
-    def admit_tenant(self, tenant: str) -> int | None:
-        """The tenant's arena made ready before a session of it opens: None when it has one or may get
-        one, else the cap it would pass (`max_tenant_arenas` tenants without a quota hold arenas)."""
+    def admit_tenant(self, tenant: str, arena: str | None = None) -> None:
+        """Make the arena a session of the tenant will use (as assign_tenant picks it) ready before the
+        session opens, and mark it used now, so a sweep does not free it in between."""
+        key = self._arena_key(tenant, arena)
         with self._lock:
-            arena = self._arenas.get(tenant)
-            if arena is None:
-                if tenant not in self._tenant_pools and self._arenas_capped() >= self._max_tenant_arenas:
-                    return self._max_tenant_arenas
-                arena = self._arena(tenant)
-            arena.last_used = time.monotonic()
-        return None
+            self._arena(key).last_used = time.monotonic()
+
+    def _arena_key(self, tenant: str, arena: str | None) -> str:
+        """Whose arena the tenant's values go to: its own when the operator named it (a quota or an
+        --shm-group) or the caller asked for none other, else `arena`."""
+        if arena is None or tenant in self._tenant_pools or tenant in self._shm_groups:
+            return tenant
+        return arena
 
     def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:
         """Drop the namespaces (the census forgot them) that hold nothing and no session named since
@@ -239,10 +261,6 @@ class MemoryBackend:
         with self._lock:
             return len(self._namespaces)
 
-    def _arenas_capped(self) -> int:
-        """Arenas of tenants without a quota. Caller holds the lock."""
-        return sum(1 for tenant in self._arenas if tenant not in self._tenant_pools)
-
     def shared_arena(self, namespace_id: str) -> Arena | None:
         """The shared-memory arena holding the namespace's values, or None (anonymous memory)."""
         with self._lock:
@@ -278,9 +296,9 @@ class MemoryBackend:
         self._arenas[tenant] = arena
         return arena
 
-    def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None) -> Namespace:
+    def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None, arena_key: str) -> Namespace:
         """Caller holds the lock."""
-        arena = self._arena(tenant if tenant is not None else "")
+        arena = self._arena(arena_key)
         ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
         disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
         if disk is not None and not disk.degraded:
@@ -288,10 +306,12 @@ class MemoryBackend:
         return ns
 
     def _restored_namespace(self, namespace_id: str, tenant: str | None) -> Namespace:
-        """A namespace the disk tier found records of at start-up, in its tenant's pool. Caller holds
-        the lock."""
+        """A namespace the disk tier found records of at start-up, in its tenant's pool, and in its
+        pool's arena until a session names its tenant (the records hold no memory yet, so a restart
+        makes no arena per tenant it finds). Caller holds the lock."""
         pool = self._tenant_pools.get(tenant, self._shared) if tenant is not None else self._shared
-        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant)
+        key = self._arena_key(tenant, SHARED_ARENA) if tenant is not None else SHARED_ARENA
+        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
         return ns
 
     def restored(self) -> dict[str, tuple[str | None, frozenset[str]]]:
@@ -304,7 +324,9 @@ class MemoryBackend:
         holds the lock."""
         ns = self._namespaces.get(namespace_id)
         if ns is None:
-            ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, self._shared, None)
+            ns = self._namespaces[namespace_id] = self._new_namespace(
+                namespace_id, self._shared, None, SHARED_ARENA
+            )
         return ns
 
     # -- writes -------------------------------------------------------------
@@ -398,7 +420,7 @@ class MemoryBackend:
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> tuple[list[KeyStatus], Sequence[BlockAddress]]:
         """Lookup, pinning the hits under the same lock so no eviction slips between the two.
-        Returns the statuses and exactly what was pinned (for the lease to unpin later)."""
+        Returns the statuses and exactly what was pinned (a LeaseHold, for the lease to unpin later)."""
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is None:
@@ -407,15 +429,15 @@ class MemoryBackend:
             pinned: Sequence[BlockAddress] = []
             if ns.disk and _MISS in statuses:
                 ns.disk_statuses(mode_id, addresses, statuses)
-                pinned = [a for a, s in zip(addresses, statuses, strict=True) if s is _HIT]
-                ns.pins.update(pinned)
+                pinned = LeaseHold(a for a, s in zip(addresses, statuses, strict=True) if s is _HIT)
+                ns.holds.update(pinned)
             elif statuses.count(_HIT):
-                pinned = (
+                pinned = LeaseHold(
                     addresses
                     if None not in found
-                    else [a for a, e in zip(addresses, found, strict=True) if e is not None]
+                    else (a for a, e in zip(addresses, found, strict=True) if e is not None)
                 )
-                ns.pins.update(pinned)
+                ns.holds.update(pinned)
         return statuses, pinned
 
     def lookup_packed_and_pin(
@@ -435,18 +457,37 @@ class MemoryBackend:
     def get(self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]) -> list[ReadResult]:
         """Every hit is copied out of its (pinned) slot and the copy's checksum checked before it leaves;
         a failing value is dropped, counted in corrupted_dropped and answered as a MISS. Values held on
-        disk only are read back into memory first (a failing record is dropped and answered as a MISS)."""
-        if self._disk is not None:
-            self._disk.read_back(namespace_id, mode_id, addresses, self._allocate)
-        return self._reader.get(namespace_id, mode_id, addresses)
+        disk only are read back into memory first, or into a private buffer when memory has no room
+        (a failing record is dropped and answered as a MISS)."""
+        if self._disk is None:
+            return self._reader.get(namespace_id, mode_id, addresses)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
+        try:
+            results = self._reader.get(namespace_id, mode_id, addresses)
+        finally:
+            self.unpin(namespace_id, back.held)
+        for i, address in enumerate(addresses):
+            if results[i].status is not _HIT and address in back.around:
+                results[i] = ReadResult(_HIT, bytes(back.around[address][0]))
+        return results
 
     def get_views(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
     ) -> tuple[list[ReadResult], list[BlockAddress]]:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
-        until the caller unpins it, so an inline Get reply is built straight from the arena."""
-        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
-        return self._reader.get_views(namespace_id, mode_id, addresses, trusted)
+        until the caller unpins it, so an inline Get reply is built straight from the arena. A value
+        read around a full memory is a view of its own buffer (nothing to unpin)."""
+        if self._disk is None:
+            return self._reader.get_views(namespace_id, mode_id, addresses)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
+        try:
+            results, pinned = self._reader.get_views(namespace_id, mode_id, addresses, back.trusted)
+        finally:
+            self.unpin(namespace_id, back.held)
+        for i, address in enumerate(addresses):
+            if results[i].status is not _HIT and address in back.around:
+                results[i] = ReadResult(_HIT, memoryview(back.around[address][0]))
+        return results, pinned
 
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
@@ -455,13 +496,60 @@ class MemoryBackend:
         holds under a lease until the reader released them (unpin). With `verify` a failing value is
         dropped and answered as a MISS, like get; without it each reference carries the committed
         digest for the reader to check its copy against. A disk-resident value is read back first,
-        straight into the slot the reader copies from."""
-        trusted = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate) if self._disk else ()
-        return self._reader.get_references(namespace_id, mode_id, addresses, verify, trusted)
+        straight into the slot the reader copies from: a new entry's, or when memory has no room, a
+        slot of the arena outside the pool's bytes that the lease holds (ReadPins), at most the pool's
+        capacity of them at once."""
+        if self._disk is None:
+            return self._reader.get_references(namespace_id, mode_id, addresses, verify)
+        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, self._around_slot)
+        try:
+            statuses, references, pinned = self._reader.get_references(
+                namespace_id, mode_id, addresses, verify, back.trusted
+            )
+        finally:
+            self.unpin(namespace_id, back.held)
+        self._free_around(back.failed)
+        if not back.around:
+            return statuses, references, pinned
+        used: dict[int, AroundSlot] = {}
+        for i, address in enumerate(addresses):
+            if statuses[i] is _HIT or address not in back.around:
+                continue
+            (arena, slot, pool), digest = back.around[address]
+            statuses[i] = _HIT
+            references[i] = SlotReference(
+                arena.segment, slot.offset, slot.length, slot.generation, None if verify else digest
+            )
+            used[slot.generation] = (arena, slot, pool)
+        # Served from memory after all (another Get promoted it meanwhile): free it now.
+        self._free_around([t for t, _ in back.around.values() if t[1].generation not in used])
+        return statuses, references, ReadPins(pinned, list(used.values()))
 
     def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
         """A slot for a value read back from disk (the disk tier calls it under the lock)."""
         return self._allocator.allocate(ns, size)
+
+    def _around_slot(self, ns: Namespace, size: int) -> tuple[AroundSlot, memoryview] | None:
+        """A slot of the namespace's arena for a value a shared-memory Get reads around a full memory,
+        outside the pool's used and reserved bytes, up to the pool's capacity of them (the arena has
+        room for twice it); None past that (the value is a MISS for this Get). Caller holds the lock."""
+        pool = ns.pool
+        if pool.around + size > pool.capacity:
+            return None
+        slot = ns.arena.allocate(size, next(self._allocator.generations))
+        if slot is None:
+            return None
+        pool.around += size
+        arena = ns.arena
+        return (arena, slot, pool), arena.view[slot.offset : slot.offset + slot.length]
+
+    def _free_around(self, around: Sequence[AroundSlot]) -> None:
+        if not around:
+            return
+        with self._lock:
+            for arena, slot, pool in around:
+                arena.free(slot)
+                pool.around -= slot.length
 
     # -- leases -------------------------------------------------------------
 
@@ -472,10 +560,14 @@ class MemoryBackend:
                 ns.pins.update(addresses)
 
     def unpin(self, namespace_id: str, addresses: Sequence[BlockAddress]) -> None:
+        """Release pins or a lease; a shared-memory Get's (ReadPins) frees its read-around slots too."""
         with self._lock:
             ns = self._namespaces.get(namespace_id)
             if ns is not None:
                 ns.unpin(addresses)
+        if isinstance(addresses, ReadPins):
+            around, addresses.around = addresses.around, []  # a lease released twice frees them once
+            self._free_around(around)
 
     # -- reporting ----------------------------------------------------------
 

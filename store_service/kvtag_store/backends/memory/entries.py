@@ -118,6 +118,29 @@ class PinnedRuns(Sequence[BlockAddress]):
         raise IndexError(index)
 
 
+class LeaseHold(list[BlockAddress]):
+    """The hits a Lookup leased (lookup_and_pin), as unpin gets them back: held in Namespace.holds, not
+    in its slot pins, because a Lookup's lease promises that the block loads, not that its memory slot
+    stays put. A leased block whose bytes are on disk may leave memory (Namespace.evictable)."""
+
+    __slots__ = ()
+
+
+class ReadPins(list[BlockAddress]):
+    """What a shared-memory Get holds under its lease: the addresses it pinned in memory, and `around`,
+    the slots it read disk records into when memory had no room for them (in no table, freed when
+    the lease ends: MemoryBackend.unpin). True when either holds something."""
+
+    __slots__ = ("around",)
+
+    def __init__(self, addresses: Sequence[BlockAddress], around: list[tuple[Arena, Slot, Pool]]) -> None:
+        super().__init__(addresses)
+        self.around = around
+
+    def __bool__(self) -> bool:
+        return bool(len(self) or self.around)
+
+
 class Namespace:
     """The blocks of one namespace, by address, with the packed Lookup's fingerprint index beside them."""
 
@@ -127,6 +150,7 @@ class Namespace:
         "disk",
         "disk_hit_count",
         "entries",
+        "holds",
         "key_index",
         "key_index_lag",
         "leases",
@@ -163,8 +187,11 @@ class Namespace:
         self.changed: list[BlockAddress] = []
         self.mode_numbers = mode_numbers
         self.key_index_lag = key_index_lag
-        # Reads in progress and per-address leases: pin count per address (Counter.update runs in C).
+        # Slot pins: reads in progress, shared-memory read leases, the disk writer's copies. A pinned
+        # slot is never evicted. Pin count per address (Counter.update runs in C).
         self.pins: Counter[BlockAddress] = Counter()
+        # Lookup leases (LeaseHold): the block must load while one holds, from memory or from disk.
+        self.holds: Counter[BlockAddress] = Counter()
         # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
         self.leases: dict[int, PinnedRuns] = {}
         self.used_bytes = 0
@@ -182,16 +209,27 @@ class Namespace:
 
     def idle(self, since: float) -> bool:
         """Holds nothing (blocks, pins, leases, puts in flight) and untouched since `since`."""
-        busy = self.entries or self.disk or self.pins or self.leases or self.writers
+        busy = self.entries or self.disk or self.pins or self.holds or self.leases or self.writers
         return not busy and self.touched <= since
 
     # -- pins and leases ------------------------------------------------------
 
     def pinned(self, address: BlockAddress) -> bool:
-        return address in self.pins or any(run.holds(address) for run in self.leases.values())
+        """Held by anything: a slot pin or a Lookup's lease (its disk record stays too)."""
+        return address in self.pins or self.leased(address)
+
+    def leased(self, address: BlockAddress) -> bool:
+        return address in self.holds or any(run.holds(address) for run in self.leases.values())
+
+    def evictable(self, address: BlockAddress, entry: Entry) -> bool:
+        """May leave memory: no slot pin, and no Lookup lease unless its bytes are on disk. A lease
+        promises the block loads; a copy on disk keeps that promise (its record stays while leased and
+        a Get reads it back), so leased blocks on disk never fill memory for the Gets that follow."""
+        return address not in self.pins and (entry.disk is not None or not self.leased(address))
 
     def pinned_addresses(self) -> set[BlockAddress]:
         held = set(self.pins)
+        held.update(self.holds)
         for run in self.leases.values():
             held.update(run)
         return held
@@ -200,7 +238,7 @@ class Namespace:
         if isinstance(addresses, PinnedRuns):
             self.leases.pop(id(addresses), None)
             return
-        pins = self.pins
+        pins = self.holds if isinstance(addresses, LeaseHold) else self.pins
         for address in addresses:
             count = pins.get(address, 0)
             if count > 1:

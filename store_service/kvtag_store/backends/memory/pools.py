@@ -18,7 +18,17 @@ StoreKey = tuple[str, BlockAddress]
 class Pool:
     """Bytes shared by some namespaces (one quota tenant's, or all the others') and their LRU order."""
 
-    __slots__ = ("capacity", "disk_used", "eager_left", "lru", "reserved", "spare", "tenant", "used")
+    __slots__ = (
+        "around",
+        "capacity",
+        "disk_used",
+        "eager_left",
+        "lru",
+        "reserved",
+        "spare",
+        "tenant",
+        "used",
+    )
 
     def __init__(self, capacity: int, tenant: str | None) -> None:
         self.capacity = capacity
@@ -30,6 +40,9 @@ class Pool:
         self.reserved = 0  # bytes of slots reserved and not yet inserted
         self.spare = 0  # of which spare slots, reserved for no key yet
         self.disk_used = 0  # bytes of this pool's records in the disk tier (within its share of it)
+        # Bytes of slots shared-memory Gets read disk records into around a full memory, held by their
+        # leases, outside `used` and `reserved`; at most `capacity` (the arena has room for twice it).
+        self.around = 0
         # Every block of the pool, least recently used first (pinned ones too: eviction skips them).
         self.lru: OrderedDict[StoreKey, None] = OrderedDict()
 

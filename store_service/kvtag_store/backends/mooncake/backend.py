@@ -98,9 +98,10 @@ class MooncakeBackend:
 
     # -- shared memory (same-host clients; see mooncake.shared_memory) -------
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
-        """The namespace's tenant, whose staging arena its shared-memory values pass through."""
-        self._shared.assign_tenant(namespace_id, tenant)
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
+        """The namespace's tenant, and whose staging arena its shared-memory values pass through
+        (`arena`, None: the tenant's own; an --shm-group tenant always has its own)."""
+        self._shared.assign_tenant(namespace_id, tenant, arena)
 
     def shared_arena(self, namespace_id: str) -> Arena | None:
         """The staging arena a same-host client of the namespace maps, or None (inline path only)."""

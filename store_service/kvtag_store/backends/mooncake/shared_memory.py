@@ -62,9 +62,9 @@ class SharedMemoryHalf:
         self._reserved_lock = threading.Lock()
         self._spare_bytes = 0
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
         if self._staging is not None:
-            self._staging.assign_tenant(namespace_id, tenant)
+            self._staging.assign_tenant(namespace_id, tenant, arena)
 
     def shared_arena(self, namespace_id: str) -> Arena | None:
         return self._staging.arena(namespace_id) if self._staging is not None else None

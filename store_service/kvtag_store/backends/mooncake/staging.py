@@ -113,14 +113,17 @@ class Staging:
         self.size_bytes = size_bytes
         self._lock = threading.Lock()
         self._arenas: dict[str, tuple[Arena, int] | None] = {}  # tenant -> (arena, address); None: failed
-        self._tenants: dict[str, str] = {}  # namespace_id -> tenant
+        self._tenants: dict[str, str] = {}  # namespace_id -> whose staging arena it uses
         self._generations = itertools.count(1)
         self._held: set[int] = set()  # generations of slots handed out and not freed
         self.in_use_bytes = 0
 
-    def assign_tenant(self, namespace_id: str, tenant: str) -> None:
+    def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
+        """The namespace's staging arena is `arena`'s (None: its tenant's own), but an --shm-group
+        tenant's own always, as the memory backend's: arenas only for tenants the operator named."""
+        key = tenant if arena is None or tenant in self._groups else arena
         with self._lock:
-            self._tenants[namespace_id] = tenant
+            self._tenants[namespace_id] = key
 
     def arena(self, namespace_id: str) -> Arena | None:
         """The namespace's tenant arena (created on first use), or None when it cannot be created."""
