@@ -305,6 +305,46 @@ class ModeHoldings(Protocol):
         ...
 
 
+# The tiers a block enters and leaves (BlockEvents' `tier`): TierUsage's names, and Mooncake's.
+TIER_MEMORY = "memory"
+TIER_DISK = "disk"
+TIER_MOONCAKE = "mooncake"
+
+
+class BlockEvents(Protocol):
+    """Told each time a block enters or leaves a tier (kvtag_store.events publishes it). Called under
+    the backend's lock on its hot paths, so an implementation only queues: O(1), never blocks."""
+
+    def stored(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None: ...
+
+    def removed(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None: ...
+
+
+def tell_stored(
+    events: BlockEvents | None,
+    namespace_id: str,
+    mode_id: str,
+    addresses: Sequence[BlockAddress],
+    results: Sequence[PutResult],
+    tier: str,
+) -> None:
+    """Tell `events` (if any) of the addresses whose put was STORED, for backends that learn it from
+    results (Mooncake)."""
+    if events is not None:
+        for address, result in zip(addresses, results, strict=True):
+            if result.outcome is PutOutcome.STORED:
+                events.stored(namespace_id, mode_id, address, tier)
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """Reports blocks entering and leaving it to a BlockEvents (KV events)."""
+
+    def observe_blocks(self, events: BlockEvents) -> None:
+        """From now on tell `events`; first, the blocks held already (a disk tier's after a restart)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one backend offers beyond BlockBackend, each the backend itself or None. `of` is the one
@@ -318,6 +358,7 @@ class Capabilities:
     forgetting: Forgetting | None
     counting: NamespaceCounting | None
     holdings: ModeHoldings | None
+    observable: Observable | None
 
     @classmethod
     def of(cls, backend: object) -> Capabilities:
@@ -330,6 +371,7 @@ class Capabilities:
             forgetting=backend if isinstance(backend, Forgetting) else None,
             counting=backend if isinstance(backend, NamespaceCounting) else None,
             holdings=backend if isinstance(backend, ModeHoldings) else None,
+            observable=backend if isinstance(backend, Observable) else None,
         )
 
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 from kvtag_store.backends.arena import Slot
-from kvtag_store.backends.base import BlockAddress, BlockKey, PutResult, TierUsage
+from kvtag_store.backends.base import TIER_DISK, BlockAddress, BlockKey, PutResult, TierUsage
 from kvtag_store.backends.disk import records
 from kvtag_store.backends.disk.errors import DiskDirError
 from kvtag_store.backends.disk.layout import DiskDir, create_segment, tenant_dir_name
@@ -480,6 +480,8 @@ class DiskTier:
                     if entry is not None and entry.disk is None and entry.mode_id == job.mode_id:
                         entry.disk = packed
                     self.spills += 1
+                    if job.ns.events is not None:
+                        job.ns.events.stored(job.ns.namespace_id, job.mode_id, job.address, TIER_DISK)
         if failure is not None:
             self._degrade("write", *failure)
             return False
@@ -595,9 +597,14 @@ class DiskTier:
                     if ns.pinned((group, BlockKey(raw))):
                         return False
                     victims.append((ns, key, packed))
+        modes = {number: mode_id for mode_id, number in self._mode_numbers.items()}
         for ns, key, packed in victims:
             del ns.disk[key]
             group, raw = records.index_address(key)
+            if ns.events is not None:
+                ns.events.removed(
+                    ns.namespace_id, modes[records.mode_number_of(packed)], (group, BlockKey(raw)), TIER_DISK
+                )
             entry = ns.entries.get((group, BlockKey(raw)))
             if entry is not None and entry.disk == packed:
                 entry.disk = None  # in memory only again: evicting it writes it anew
@@ -729,6 +736,8 @@ class DiskTier:
                     back.failed.append(cast(T, job.handle))
                 if failure is None and ns.disk.get(job.key) == job.packed:
                     del ns.disk[job.key]
+                    if ns.events is not None:
+                        ns.events.removed(namespace_id, mode_id, job.address, TIER_DISK)
                     self.corrupted += 1
                     log.warning(
                         "disk tier: a record in %s failed its checks; dropped (the engine recomputes it)",
@@ -768,7 +777,14 @@ class DiskTier:
         self.degraded_reason = reason
         self.queue.clear()
         self._pending_copies = 0
+        modes = {number: mode_id for mode_id, number in self._mode_numbers.items()}
         for ns in self._namespaces.values():
+            events = ns.events
+            if events is not None:
+                for key, packed in ns.disk.items():
+                    group, raw = records.index_address(key)
+                    mode_id = modes[packed & records.MAX_MODE_NUMBER]
+                    events.removed(ns.namespace_id, mode_id, (group, BlockKey(raw)), TIER_DISK)
             ns.disk = {}
             ns.spill = None
             for entry in ns.entries.values():

@@ -39,14 +39,19 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvtag_store.backends.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
+    TIER_DISK,
+    TIER_MEMORY,
     BackendStats,
     BlockAddress,
+    BlockEvents,
+    BlockKey,
     KeyStatus,
     Payload,
     PutResult,
     ReadResult,
     SlotReference,
 )
+from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_address
 from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
 from kvtag_store.backends.memory.entries import (
@@ -149,6 +154,7 @@ class MemoryBackend:
         self._allocator = Allocator(self._namespaces, self._pools)
         self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
         self._reader = Reader(self._lock, self._namespaces)
+        self._events: BlockEvents | None = None  # KV events (observe_blocks), told by every namespace
         self._disk: DiskTier | None = None
         if disk_dir is not None:
             self._disk = DiskTier(
@@ -300,6 +306,7 @@ class MemoryBackend:
         """Caller holds the lock."""
         arena = self._arena(arena_key)
         ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
+        ns.events = self._events
         disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
         if disk is not None and not disk.degraded:
             ns.spill = disk.queue
@@ -313,6 +320,21 @@ class MemoryBackend:
         key = self._arena_key(tenant, SHARED_ARENA) if tenant is not None else SHARED_ARENA
         ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
         return ns
+
+    def observe_blocks(self, events: BlockEvents) -> None:
+        """KV events (Observable): every namespace tells `events` of the blocks entering and leaving
+        memory and the disk tier; the blocks held already (a restarted disk tier's) are told first."""
+        with self._lock:
+            self._events = events
+            modes = {number: mode_id for mode_id, number in self._mode_numbers.items()}
+            for ns in self._namespaces.values():
+                ns.events = events
+                for address, entry in ns.entries.items():
+                    events.stored(ns.namespace_id, entry.mode_id, address, TIER_MEMORY)
+                for key, packed in ns.disk.items():
+                    group, raw = index_address(key)
+                    mode_id = modes[packed & MAX_MODE_NUMBER]
+                    events.stored(ns.namespace_id, mode_id, (group, BlockKey(raw)), TIER_DISK)
 
     def restored(self) -> dict[str, tuple[str | None, frozenset[str]]]:
         """namespace_id -> (tenant, mode_ids stored) of the records the disk tier found at start-up

@@ -17,7 +17,15 @@ import xxhash
 
 from kvtag_store.backends import key_index
 from kvtag_store.backends.arena import Arena, Slot
-from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, PutResult
+from kvtag_store.backends.base import (
+    TIER_MEMORY,
+    BlockAddress,
+    BlockEvents,
+    BlockKey,
+    KeyStatus,
+    PutOutcome,
+    PutResult,
+)
 from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_key
 from kvtag_store.backends.memory.pools import Pool
 
@@ -150,6 +158,7 @@ class Namespace:
         "disk",
         "disk_hit_count",
         "entries",
+        "events",
         "holds",
         "key_index",
         "key_index_lag",
@@ -209,6 +218,8 @@ class Namespace:
         # slots and inserting them: forget_namespaces keeps a namespace either says is in use.
         self.touched = time.monotonic()
         self.writers = 0
+        # Told of every block entering or leaving memory or the disk tier (KV events), when on.
+        self.events: BlockEvents | None = None
 
     def idle(self, since: float) -> bool:
         """Holds nothing (blocks, pins, leases, puts in flight) and untouched since `since`."""
@@ -268,6 +279,8 @@ class Namespace:
             return ALREADY_PRESENT
         self.entries[address] = Entry(mode_id, self.arena, slot, digest, disk)
         self.mode_blocks[mode_id] += 1
+        if self.events is not None:
+            self.events.stored(self.namespace_id, mode_id, address, TIER_MEMORY)
         if disk is None and self.spill is not None:
             self.spill.append((self.namespace_id, address, slot.generation, slot.length))
         self.note_changed(address)
@@ -278,6 +291,8 @@ class Namespace:
 
     def remove(self, address: BlockAddress, entry: Entry) -> None:
         del self.entries[address]
+        if self.events is not None:
+            self.events.removed(self.namespace_id, entry.mode_id, address, TIER_MEMORY)
         left = self.mode_blocks[entry.mode_id] - 1
         if left > 0:
             self.mode_blocks[entry.mode_id] = left

@@ -13,13 +13,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
+    TIER_MOONCAKE,
     BackendStats,
     BlockAddress,
+    BlockEvents,
     KeyStatus,
     Payload,
     PutResult,
     ReadResult,
     SlotReference,
+    tell_stored,
 )
 from kvtag_store.backends.mooncake.client import (
     MooncakeClient,
@@ -59,6 +62,8 @@ class MooncakeBackend:
         )
         self._shared = SharedMemoryHalf(self._cluster, self._reads, self._writes, staging)
         self._closers: list[Callable[[], None]] = []
+        # KV events (observe_blocks): what this replica stores. Mooncake's own evictions are not seen.
+        self._events: BlockEvents | None = None
 
     @property
     def max_value_bytes(self) -> int:
@@ -77,15 +82,25 @@ class MooncakeBackend:
 
     # -- writes -------------------------------------------------------------
 
+    def observe_blocks(self, events: BlockEvents) -> None:
+        """KV events (Observable): blocks this replica stores from now on. Nothing is told of blocks
+        stored before, by other replicas, or evicted by Mooncake (its master tells no one)."""
+        self._events = events
+        self._shared.events = events
+
     def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: Payload) -> PutResult:
-        return self._writes.put(namespace_id, mode_id, address, value)
+        result = self._writes.put(namespace_id, mode_id, address, value)
+        tell_stored(self._events, namespace_id, mode_id, [address], [result], TIER_MOONCAKE)
+        return result
 
     def put_many(
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, Payload]]
     ) -> list[PutResult]:
         """`put` for a batch: one Mooncake put_batch and one header read-back per chunk instead of a
         round trip pair per item. Per-item truth still comes from each item's stored header."""
-        return self._writes.put_many(namespace_id, mode_id, items)
+        results = self._writes.put_many(namespace_id, mode_id, items)
+        tell_stored(self._events, namespace_id, mode_id, [a for a, _ in items], results, TIER_MOONCAKE)
+        return results
 
     # -- reads --------------------------------------------------------------
 

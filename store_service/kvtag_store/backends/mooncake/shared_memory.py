@@ -16,11 +16,14 @@ from collections.abc import Iterable, Sequence
 from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     NO_RESERVATION,
+    TIER_MOONCAKE,
     BlockAddress,
+    BlockEvents,
     KeyStatus,
     PutOutcome,
     PutResult,
     SlotReference,
+    tell_stored,
 )
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
@@ -61,6 +64,7 @@ class SharedMemoryHalf:
         self._reservations: dict[int, tuple[str, BlockAddress | None, Staged]] = {}
         self._reserved_lock = threading.Lock()
         self._spare_bytes = 0
+        self.events: BlockEvents | None = None  # KV events: the blocks commits store
 
     def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
         if self._staging is not None:
@@ -179,6 +183,10 @@ class SharedMemoryHalf:
             if self._staging is not None:
                 self._staging.free(refused + [t[1] for t in taken if t is not None])
         final = [r if r is not None else NO_RESERVATION for r in results]
+        kept = [(t[0], r) for t, r in zip(taken, final, strict=True) if t is not None]
+        tell_stored(
+            self.events, namespace_id, mode_id, [a for a, _ in kept], [r for _, r in kept], TIER_MOONCAKE
+        )
         stored = sum(
             t[1].length
             for t, result in zip(taken, final, strict=True)
