@@ -38,6 +38,8 @@ from kvtag_store.config import (
     policy_name,
     service_config,
 )
+from kvtag_store.events import options as event_options
+from kvtag_store.events import subscriber
 from kvtag_store.observe import logs, report
 from kvtag_store.policy.census_snapshot import SNAPSHOT_NAME, SnapshotCensus
 from kvtag_store.security import options
@@ -64,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the store service")
     add_serve_arguments(serve)
     options.add_arguments(serve)
+    event_options.add_arguments(serve)
     mooncake_options.add_arguments(serve)
+    events = commands.add_parser("events", help="print a store's KV events live (docs/kv-events.md)")
+    subscriber.add_arguments(events)
     for name, help_text in (
         ("diagnose", "print the census and mismatch report of a running store"),
         ("stats", "print capacity and usage of a running store"),
@@ -100,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(parser, args)
+    if args.command == "events":
+        return subscriber.run(args)
     try:
         security = client_security(args)
         if args.command == "health":
@@ -209,6 +216,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     logs.configure(args.log_format, args.log_level)
     try:
         security = options.build(args)
+        events = event_options.build(args, security)
     except argparse.ArgumentTypeError as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -256,6 +264,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             metrics_listen=args.metrics_listen,
             workers=workers,
             security=security,
+            events=events,
         )
     except Exception as exc:  # a bind failure: say so and exit non-zero
         log.error("cannot start: %s", exc)
@@ -271,6 +280,7 @@ def serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "capacity_bytes": stats.capacity_bytes,
             "policy": policy_name(config.default_policy),
             "metrics": running.metrics_address or "disabled",
+            "kv_events": running.events.endpoint if running.events is not None else "off",
             "tls": "off" if security.tls is None else ("mutual" if security.tls.mutual else "on"),
             "tokens": len(security.tokens) if security.tokens.enabled else "off",
             "pid": os.getpid(),

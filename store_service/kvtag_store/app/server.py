@@ -27,6 +27,9 @@ from kvtag_store.api import codec
 from kvtag_store.api.servicer import KvStoreService
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.config import SERVE, ServiceConfig
+from kvtag_store.events.options import EventOptions
+from kvtag_store.events.publisher import EventPublisher
+from kvtag_store.events.service import ROUTE, sources_route, start_events
 from kvtag_store.observe import status_http
 from kvtag_store.observe.census_metrics import CensusCollector
 from kvtag_store.observe.history import DEFAULT_INTERVAL_S, HitRateHistory
@@ -86,6 +89,7 @@ class RunningServer:
     metrics_http: WSGIServer | None
     metrics_thread: threading.Thread | None
     history: HitRateHistory | None = None
+    events: EventPublisher | None = None  # KV events (--kv-events-listen), None when off
 
     def stop(self, grace: float = 5.0) -> bool:
         """Stop accepting calls, let running ones finish within `grace`, then release everything.
@@ -108,6 +112,8 @@ class RunningServer:
                 grace,
             )
         self.service.stop()
+        if self.events is not None:
+            self.events.stop()
         if self.history is not None:
             self.history.stop()
         if self.metrics_http is not None:
@@ -127,11 +133,13 @@ def start_server(
     history_interval_s: float = DEFAULT_INTERVAL_S,
     status_gate: status_http.Gate | None = None,
     security: Security | None = None,
+    events: EventOptions | None = None,
 ) -> RunningServer:
     """Bind, start and return the server; the caller owns stopping it. The HTTP port (metrics_listen)
     serves /metrics, the status page and its JSON (status_http); `status_gate` decides who sees what
     there (default: the tokens of `security`, or open without them). `security` adds TLS, tokens and
-    tenant quotas (none by default: plaintext and open, for loopback use)."""
+    tenant quotas (none by default: plaintext and open, for loopback use). `events` publishes KV events
+    (kvtag_store.events; None: off, no socket opened)."""
     security = security or Security()
     if status_gate is None:
         status_gate = (
@@ -182,10 +190,21 @@ def start_server(
     metrics.registry.register(CensusCollector(service.census.report))
     history = HitRateHistory(service.census.report, interval_s=history_interval_s)
     service.forget_listeners.append(history.forget)
+    publisher, access = None, None
+    if events is not None:
+        publisher, access = start_events(
+            events, backend, service.census.report, metrics.registry, tokens=security.tokens.enabled
+        )
     if metrics_listen:
         source = StatusSource(service.census.report, backend.stats, history, pages=service.pages)
-        app = status_http.status_app(source, metrics.registry, status_gate)
-        metrics_http, metrics_thread = status_http.serve(metrics_listen, app)
+        routes = {ROUTE: sources_route(publisher, access, service.census.report)}
+        app = status_http.status_app(source, metrics.registry, status_gate, routes)
+        try:
+            metrics_http, metrics_thread = status_http.serve(metrics_listen, app)
+        except BaseException:
+            if publisher is not None:
+                publisher.stop()
+            raise
         metrics_address = f"{metrics_listen.rpartition(':')[0]}:{metrics_http.server_port}"
     service.start()
     history.start()
@@ -202,4 +221,5 @@ def start_server(
         metrics_http,
         metrics_thread,
         history,
+        publisher,
     )

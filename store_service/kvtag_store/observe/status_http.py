@@ -17,7 +17,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlencode
@@ -47,6 +47,9 @@ class Denied(Exception):
 
 # Maps the request's credentials (an Authorization header value, or None) to the caller's view.
 Gate = Callable[[str | None], View]
+# A JSON route beside the status (e.g. /kv_event_sources): the caller's view -> the document, or
+# raises Denied.
+JsonRoute = Callable[[View], object]
 
 
 def open_gate(_authorization: str | None) -> View:
@@ -95,13 +98,22 @@ def authorization_token(header: str | None) -> str | None:
     return "Bearer " + decoded.partition(":")[2]
 
 
-def status_app(source: StatusSource, registry: CollectorRegistry, gate: Gate = open_gate) -> WsgiApp:
+def status_app(
+    source: StatusSource,
+    registry: CollectorRegistry,
+    gate: Gate = open_gate,
+    routes: Mapping[str, JsonRoute] | None = None,
+) -> WsgiApp:
+    """`routes`: more JSON documents by path, behind the same gate (each decides what the view sees)."""
     metrics = make_wsgi_app(registry)
+    routes = dict(routes or {})
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
             return metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path in routes:
+            return _json_route(routes[path], gate, environ, start_response)
         if path not in ("/", "/api/v1/status"):
             return _reply(start_response, 404, "text/plain", b"try /, /api/v1/status or /metrics\n")
         if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
@@ -141,6 +153,18 @@ def status_app(source: StatusSource, registry: CollectorRegistry, gate: Gate = o
         return _reply(start_response, 200, "text/html; charset=utf-8", page.encode(), paging)
 
     return app
+
+
+def _json_route(
+    route: JsonRoute, gate: Gate, environ: dict[str, Any], start_response: StartResponse
+) -> list[bytes]:
+    if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+        return _reply(start_response, 405, "text/plain", b"use GET\n", [("Allow", "GET, HEAD")])
+    try:
+        doc = route(gate(authorization_token(environ.get("HTTP_AUTHORIZATION"))))
+    except Denied as exc:
+        return _reply(start_response, exc.status, "text/plain", (exc.message + "\n").encode())
+    return _reply(start_response, 200, "application/json", json.dumps(doc, indent=2).encode())
 
 
 def _page_request(query: dict[str, list[str]]) -> pb.DiagnoseRequest:

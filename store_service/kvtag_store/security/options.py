@@ -142,8 +142,9 @@ def is_loopback(listen: str) -> bool:
         return False  # a host name or a wildcard: reachable from elsewhere as far as we can tell
 
 
-def check_listen(listen: str, security: Security, *, insecure: bool) -> None:
-    """Refuse to expose an open or plaintext store beyond this host unless the operator said --insecure."""
+def check_listen(listen: str, security: Security, *, insecure: bool, flag: str = "--listen") -> None:
+    """Refuse to expose an open or plaintext store beyond this host unless the operator said --insecure.
+    `flag`: the listen flag named in the refusal (the KV-event sockets follow the same rule)."""
     if is_loopback(listen):
         return
     missing = []
@@ -155,7 +156,7 @@ def check_listen(listen: str, security: Security, *, insecure: bool) -> None:
         return
     if not insecure:
         raise argparse.ArgumentTypeError(
-            f"--listen {listen} is reachable beyond this host but the store has no "
+            f"{flag} {listen} is reachable beyond this host but the store has no "
             f"{' and no '.join(missing)}; "
             "configure them (docs/security.md), listen on 127.0.0.1, or pass --insecure on a network "
             "you trust"
