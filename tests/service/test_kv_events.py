@@ -540,3 +540,52 @@ def test_the_reference_subscriber_prints_decoded_events(
     ]
     assert {line["mode_id"] for line in lines[1:]} == {opened.mode_id}
     assert {line["event"]["medium"] for line in lines[1:]} == {"CPU"}
+
+
+@dataclass
+class Recorder:
+    """A BlockEvents that keeps what it is told, in order."""
+
+    told: list[tuple[str, str, str, bytes, str]] = field(default_factory=list)
+
+    def stored(self, namespace_id: str, mode_id: str, address: tuple[int, bytes], tier: str) -> None:
+        self.told.append(("stored", namespace_id, mode_id, address[1], tier))
+
+    def removed(self, namespace_id: str, mode_id: str, address: tuple[int, bytes], tier: str) -> None:
+        self.told.append(("removed", namespace_id, mode_id, address[1], tier))
+
+
+def test_the_disk_lru_tells_each_record_it_drops_as_removed_from_disk(tmp_path: Path) -> None:
+    backend = MemoryBackend(
+        64 << 10,
+        disk_dir=str(tmp_path / "disk"),
+        disk_capacity=128 << 10,
+        disk_segment_bytes=16 << 10,
+        prefault="lazy",
+    )
+    recorder = Recorder()
+    try:
+        backend.observe_blocks(recorder)
+        keys = [f"lru-{i}".encode() for i in range(120)]  # 480 KiB through 64 KiB of memory, 128 KiB of disk
+        for key in keys:
+            assert backend.put("ns", "mode-a", (0, BlockKey(key)), b"d" * VALUE).outcome.name == "STORED"
+            disk = backend.disk_tier()
+            assert disk is not None and disk.drain()
+    finally:
+        backend.close()
+    on_disk: set[bytes] = set()
+    for kind, namespace_id, mode_id, key, tier in recorder.told:
+        assert (namespace_id, mode_id) == ("ns", "mode-a")
+        if tier == "disk":
+            if kind == "stored":
+                on_disk.add(key)
+            else:
+                assert key in on_disk, "a record leaves the disk only after it was announced there"
+                on_disk.discard(key)
+    removed_from_disk = [
+        key for kind, _, _, key, tier in recorder.told if kind == "removed" and tier == "disk"
+    ]
+    assert removed_from_disk, "the disk LRU dropped segments"
+    assert removed_from_disk[0] in keys[:40], "the least recently hit segments go first"
+    in_memory = {k for kind, _, _, k, tier in recorder.told if tier == "memory" and kind == "stored"}
+    assert in_memory == set(keys)
