@@ -10,8 +10,9 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, FAULTED_OFFSET
 from kvtag_proto.pages import faulted as pages_faulted
-from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, FAULTED_OFFSET, Arena, Slot, remove_orphans
+from kvtag_store.backends.arena import Arena, Slot, remove_orphans
 from kvtag_store.backends.memory import MemoryBackend
 
 from tests.net import wait_until

@@ -28,15 +28,12 @@ service before the slot is handed out. Nothing below the up-front (eager) prefau
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import secrets
-import struct
 import threading
 import time
 import weakref
@@ -45,20 +42,19 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtag_proto import pages
+from kvtag_proto.arena_layout import (
+    ARENA_HEADER,
+    EXTENT,
+    NONCE_LENGTH,
+    SLOT_HEADER,
+    read_generation,
+    span_for,
+    write_generation,
+    write_header,
+)
 
 log = logging.getLogger("kvtag_store.backends.arena")
 
-MAGIC = b"KVTAGARN"
-FORMAT_VERSION = 1
-ARENA_HEADER = 4096
-NONCE_OFFSET = 16
-NONCE_LENGTH = 16
-# Where the arena publishes how far its pages are touched, so a client can map them ahead of use.
-FAULTED_OFFSET = pages.FAULTED_OFFSET
-SLOT_HEADER = 64
-ALIGN = 64
-# Pages are reserved and touched this much at a time, ahead of the bump pointer.
-EXTENT = 2 << 20
 # How far above the bump pointer pages are kept touched (by a background thread), so a put never
 # waits for first-touch faults unless it outruns this window. Beyond it, an arena is touched up front
 # to its `eager` size (the capacity its pool leaves it) from the moment it is created.
@@ -79,12 +75,6 @@ PAGE = mmap.PAGESIZE
 # from the freed slot sees its generation change instead of accepting the zeros that the hole reads as.
 FORGET_HEAD = 320
 _ZEROS = bytes(max(PAGE, FORGET_HEAD))
-_GENERATION = struct.Struct("<Q")
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
-MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -93,13 +83,6 @@ def _round_up(n: int, to: int) -> int:
 
 def _round_down(n: int, to: int) -> int:
     return n // to * to
-
-
-def remove_pages(base: int, start: int, length: int) -> bool:
-    """Release [start, start+length) of the shared mapping at `base` and its backing store (a punched
-    hole in a tmpfs file; freed shmem for anonymous shared memory), with the GIL released. Page-aligned.
-    False when the kernel refuses (the pages then stay, which is only memory kept)."""
-    return int(_madvise(base + start, length, MADV_REMOVE)) == 0
 
 
 def populate_write(memory: mmap.mmap, start: int, length: int) -> None:
@@ -276,9 +259,7 @@ class Arena:
             self.close()
             raise OSError(f"cannot reserve the first pages of the arena in {directory}")
         PREFAULTER.watch(self)
-        self.view[0:8] = MAGIC
-        self.view[8:12] = FORMAT_VERSION.to_bytes(4, "little")
-        self.view[NONCE_OFFSET : NONCE_OFFSET + NONCE_LENGTH] = self.nonce
+        write_header(self.view, self.nonce)
 
     @property
     def shared(self) -> bool:
@@ -297,7 +278,7 @@ class Arena:
 
     @staticmethod
     def span_for(length: int) -> int:
-        return SLOT_HEADER + _round_up(max(length, 1), ALIGN)
+        return span_for(length)
 
     def allocate(self, length: int, generation: int) -> Slot | None:
         """A slot for `length` bytes stamped with `generation`, or None when the arena has no room
@@ -306,7 +287,7 @@ class Arena:
         start = self._take(span)
         if start is None:
             return None
-        _GENERATION.pack_into(self._mmap, start + SLOT_HEADER - 8, generation)
+        write_generation(self._mmap, start + SLOT_HEADER, generation)
         self.slots_in_use += 1
         if self._faulted < self._top + self._window // 2 and self._faulted < self.size:
             PREFAULTER.kick()
@@ -316,13 +297,13 @@ class Arena:
         """allocate() for several values of one length (its span and prefault check computed once);
         fewer slots than generations when the arena runs out of room."""
         span = self.span_for(length)
-        take, pack, memory = self._take, _GENERATION.pack_into, self._mmap
+        take, stamp, memory = self._take, write_generation, self._mmap
         slots: list[Slot] = []
         for generation in generations:
             start = take(span)
             if start is None:
                 break
-            pack(memory, start + SLOT_HEADER - 8, generation)
+            stamp(memory, start + SLOT_HEADER, generation)
             slots.append(Slot(start + SLOT_HEADER, length, span, generation))
         self.slots_in_use += len(slots)
         if slots and self._faulted < self._top + self._window // 2 and self._faulted < self.size:
@@ -411,7 +392,7 @@ class Arena:
             if self._closed:
                 return
             held = max(self._faulted, self._held_end)
-            if remove_pages(self._base, keep, held - keep):
+            if pages.remove_pages(self._base, keep, held - keep):
                 self.given_back_bytes += held - keep
                 self._held_end = 0
                 if self._faulted > keep:
@@ -441,7 +422,7 @@ class Arena:
                 merged.append([start, end])
         for start, end in merged:
             low, high = _round_up(max(start, self._floor), PAGE), _round_down(end, PAGE)
-            if high > low and remove_pages(self._base, low, high - low):
+            if high > low and pages.remove_pages(self._base, low, high - low):
                 self.given_back_bytes += high - low
 
     def _forget(self, start: int, end: int) -> None:
@@ -462,8 +443,7 @@ class Arena:
         return False
 
     def generation(self, offset: int) -> int:
-        value: int = _GENERATION.unpack_from(self._mmap, offset - 8)[0]
-        return value
+        return read_generation(self._mmap, offset)
 
     def _take(self, span: int) -> int | None:
         starts = self._free.get(span)

@@ -35,12 +35,13 @@ import contextlib
 import ctypes
 import itertools
 import logging
-import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
+from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, write_generation
+
+from kvtag_store.backends.arena import Arena, Slot, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import BlockAddress, BlockKey
 from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import describe
@@ -49,7 +50,6 @@ from kvtag_store.backends.mooncake.format import HEADER_BYTES
 log = logging.getLogger(__name__)
 
 PREFIX = 128
-_GENERATION = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,7 @@ class Staged:
     def restore_generation(self) -> None:
         """Put the generation word back over the header's last 8 bytes (see the module docstring):
         once the header has been checked (a Get) or sent (a put)."""
-        _GENERATION.pack_into(self.arena.view, self.payload_offset - 8, self.generation)
+        write_generation(self.arena.view, self.payload_offset, self.generation)
 
     def header(self) -> memoryview:
         return self.arena.view[self.header_offset : self.header_offset + HEADER_BYTES]
@@ -176,7 +176,7 @@ class Staging:
                 if slot is None:
                     out.append(None)
                     continue
-                _GENERATION.pack_into(arena.view, slot.offset + PREFIX - 8, generation)
+                write_generation(arena.view, slot.offset + PREFIX, generation)
                 self._held.add(generation)
                 self.in_use_bytes += slot.span
                 out.append(Staged(arena, slot, base, length, generation))
