@@ -564,9 +564,9 @@ class Arena:
                         return
                     self._touching += 1
                 # A tmpfs file's eager pages are only reserved here (allocated and zeroed),
-                # not mapped into this process: that halves the work (1 GiB: 0.30 s against 0.65 s
-                # on one core here), mapping clients map them themselves, and the service's own
-                # first access to a page is a minor fault, not a first touch.
+                # not mapped into this process: that halves the work (docs/benchmarks.md), mapping
+                # clients map them themselves, and the service's own first access to a page is a
+                # minor fault, not a first touch.
                 touched = self._reserve_and_touch(start, end, map_here=not self._in_memory_file)
                 with self._fault_lock:
                     self._touching -= 1

@@ -26,13 +26,9 @@ is free). Both Get paths need its bytes in a slot anyway (the shared-memory read
 slot, the inline reply is built from it), so promoting costs nothing beyond that slot, and a block
 read once is likely read again (a shared prefix).
 
-Costs (benchmarks/results/disk_tier.json, one run at f36f8ba on a shared 2-core host): the rebuild
-costs 5.2 us a record (100,000 records: first Lookup hit 0.91 s after the process started); an
-index entry (32-byte key) costs 148.5 B of memory (tracemalloc). A Get of disk-resident 1 MiB blocks
-ran at 0.92x a plain sequential read of the same files, caches dropped for both (0.43-0.92x over
-five runs: the read's speed swings). Puts with the tier on against off: 1.00x for a burst within
-the lag, 0.72x past it, 0.55x for a sustained 4x-memory load (the writer's copy shares the cores;
-0.55x was also the figure when it copied beside every put, before the lag).
+What it costs (rebuild per record, memory per index entry, read-back and put rates with the tier on
+and off) is measured by benchmarks/disk_tier.py; the figures are in docs/benchmarks.md and
+docs/disk-tier.md.
 
 Faults: any OSError writing or reading the tier turns the tier off (one warning, counted, degraded
 with the reason); the store then serves from memory only.
@@ -815,8 +811,7 @@ class DiskTier:
 
 def _read_ahead(fd: int) -> None:
     """Ask for the kernel's wider read-ahead on a segment: a request's blocks were put, and so
-    written, in order, and a Get of a prefix reads them back in that order (measured: about twice the
-    read-back rate of 1 MiB records with the default window, on a shared host)."""
+    written, in order, and a Get of a prefix reads them back in that order (docs/benchmarks.md)."""
     with contextlib.suppress(OSError):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 

@@ -22,8 +22,7 @@ slot is handed out (a Get) or the slot is freed (a put). No client holds a
 reference to a slot in that window; a stale one (of a slot freed and reused)
 already sees a generation that is not its own, and header bytes equal to it
 would still fail the digest check of its copy. One range instead of two is one
-transfer slice per object instead of two: 0.04-0.05 ms less per object over TCP
-(in process, 512 x 64 KiB: 72-75 ms against 95-98 ms, load 3.8), nothing at 1 MiB.
+transfer slice per object instead of two (docs/benchmarks.md has what that saves).
 
 One arena per tenant, as with the memory backend, so a client never maps
 another tenant's values.
