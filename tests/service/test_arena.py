@@ -12,8 +12,9 @@ from pathlib import Path
 
 from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, FAULTED_OFFSET
 from kvtag_proto.pages import faulted as pages_faulted
-from kvtag_store.backends.arena import Arena, Slot, remove_orphans
 from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.shm.arena import Arena, Slot
+from kvtag_store.backends.shm.files import remove_orphans
 
 from tests.net import wait_until
 

@@ -10,7 +10,7 @@ import tempfile
 import time
 
 from kvtag_proto.arena_layout import EXTENT
-from kvtag_store.backends.arena import PAGE, Arena, Slot
+from kvtag_store.backends.shm.arena import PAGE, Arena, Slot
 
 from tests.net import wait_until
 from tests.service.test_arena import assert_disjoint

@@ -48,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
-from kvtag_store.backends.arena import Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, PutResult, TierUsage
 from kvtag_store.backends.disk import records
 from kvtag_store.backends.disk.errors import DiskDirError
@@ -57,6 +56,7 @@ from kvtag_store.backends.disk.records import ShortBuffer, TornRecord, decode_me
 from kvtag_store.backends.disk.segments import Segment
 from kvtag_store.backends.memory.entries import STORED, Entry, checksum
 from kvtag_store.backends.memory.pools import Pool
+from kvtag_store.backends.shm.arena import Slot
 
 if TYPE_CHECKING:
     from kvtag_store.backends.memory.entries import Namespace

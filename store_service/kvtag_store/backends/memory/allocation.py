@@ -13,10 +13,10 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable
 
-from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import BlockAddress, PutOutcome, PutResult
 from kvtag_store.backends.memory.entries import ALREADY_PRESENT, Entry, Namespace, conflict
 from kvtag_store.backends.memory.pools import Pool, StoreKey
+from kvtag_store.backends.shm.arena import Arena, Slot
 
 
 class Allocator:

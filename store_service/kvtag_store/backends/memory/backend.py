@@ -6,7 +6,7 @@ small and bounded by the key count). Slots reserved for a shared-memory Put
 and not yet committed count against the capacity too (`reserved_bytes`), so
 committed plus reserved never exceeds it.
 
-Values live in arenas (kvtag_store.backends.arena), one per tenant: shared-memory files
+Values live in arenas (kvtag_store.backends.shm.arena), one per tenant: shared-memory files
 a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvtag_store.backends.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
     BackendStats,
     BlockAddress,
@@ -62,6 +61,7 @@ from kvtag_store.backends.memory.pools import Pool
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
 from kvtag_store.backends.memory.usage import usage_report
+from kvtag_store.backends.shm import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 
 log = logging.getLogger("kvtag_store.backends.memory.backend")
 

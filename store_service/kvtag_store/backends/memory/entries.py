@@ -16,10 +16,10 @@ import numpy as np
 import xxhash
 
 from kvtag_store.backends import key_index
-from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, PutResult
 from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_key
 from kvtag_store.backends.memory.pools import Pool
+from kvtag_store.backends.shm.arena import Arena, Slot
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, write_generation
 
-from kvtag_store.backends.arena import Arena, Slot, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import BlockAddress, BlockKey
 from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import describe
 from kvtag_store.backends.mooncake.format import HEADER_BYTES
+from kvtag_store.backends.shm import Arena, Slot, remove_orphans, shared_memory_room
 
 log = logging.getLogger(__name__)
 
