@@ -25,9 +25,9 @@ the work under it: entries.py (a namespace's blocks, pins and key index),
 reservations.py (the two-phase put) and reads.py (verified Gets).
 
 With a disk dir (disk_dir), every stored value is also written to the disk tier in the background
-(kvtag_store.backends.disk.tier has the policy and what a crash loses): Lookups answer memory misses
-from its index, a Get reads a disk-only value back into a slot first, and a restart on the same dir
-rebuilds the namespaces from its records.
+(disk/writer.py has the policy and what a crash loses): Lookups answer memory misses from its index,
+a Get reads a disk-only value back into a slot first (promotion.py), and a restart on the same dir
+rebuilds the namespaces from its records. The disk tier sees this tier only through tiering.py.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from kvtag_store.backends.base import (
     ReadResult,
     SlotReference,
 )
-from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
+from kvtag_store.backends.memory.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.entries import (
     KEY_INDEX_LAG,
     MISS_BYTE,
+    NO_DISK,
     LeaseHold,
     Namespace,
     PinnedRuns,
@@ -58,23 +59,14 @@ from kvtag_store.backends.memory.entries import (
     checksum,
 )
 from kvtag_store.backends.memory.pools import Pool
+from kvtag_store.backends.memory.promotion import Promoter
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
+from kvtag_store.backends.memory.tiering import MemoryPort
 from kvtag_store.backends.memory.usage import usage_report
 from kvtag_store.backends.shm import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 
 log = logging.getLogger("kvtag_store.backends.memory.backend")
-
-
-# A slot a shared-memory Get read a disk record into around a full memory, with its arena and pool.
-AroundSlot = tuple[Arena, Slot, Pool]
-
-
-def _buffer(_ns: Namespace, size: int) -> tuple[bytearray, memoryview]:
-    """Where an inline Get reads a disk record around a full memory: a buffer of its own, as large as
-    the value it replies with."""
-    buffer = bytearray(size)
-    return buffer, memoryview(buffer)
 
 
 _HIT = KeyStatus.HIT
@@ -146,29 +138,28 @@ class MemoryBackend:
         if prefault == "lazy":
             for pool in self._pools:
                 pool.eager_left = 0
-        self._allocator = Allocator(self._namespaces, self._pools)
-        self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
-        self._reader = Reader(self._lock, self._namespaces)
         self._disk: DiskTier | None = None
         if disk_dir is not None:
             self._disk = DiskTier(
                 disk_dir,
                 disk_capacity,
-                lock=self._lock,
-                namespaces=self._namespaces,
-                mode_numbers=self._mode_numbers,
+                MemoryPort(self._lock, self._namespaces),
                 memory_capacity=capacity_bytes,
-                pools=self._pools,
-                tenant_pools=self._tenant_pools,
-                shared=self._shared,
+                pool_capacities={None: self._shared.capacity} | dict[str | None, int](quotas),
                 groups=self._shm_groups,
-                namespace=self._restored_namespace,
                 segment_bytes=disk_segment_bytes,
             )
-            self._allocator.spill = self._disk.spill_evicted
+        self._allocator = Allocator(
+            self._namespaces, self._pools, self._disk.spill_evicted if self._disk is not None else None
+        )
+        self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
+        self._reader = Reader(self._lock, self._namespaces)
+        self._promoter: Promoter | None = None
+        if self._disk is not None:
+            self._promoter = Promoter(self._lock, self._namespaces, self._allocator, self._reader, self._disk)
             with self._lock:
-                for ns in self._namespaces.values():
-                    ns.spill = self._disk.queue
+                for namespace_id, (tenant, _) in self._disk.restored.items():
+                    self._restored_namespace(namespace_id, tenant)
 
     @property
     def max_value_bytes(self) -> int:
@@ -226,6 +217,8 @@ class MemoryBackend:
                 ns = self._namespaces.get(namespace_id)
                 if ns is not None and ns.idle(idle_since) and namespace_id not in reserved:
                     del self._namespaces[namespace_id]
+                    if self._disk is not None:
+                        self._disk.forget(namespace_id)
             used = {id(ns.arena) for ns in self._namespaces.values()}
             idle = [
                 (tenant, arena)
@@ -299,11 +292,17 @@ class MemoryBackend:
     def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None, arena_key: str) -> Namespace:
         """Caller holds the lock."""
         arena = self._arena(arena_key)
-        ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
-        disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
-        if disk is not None and not disk.degraded:
-            ns.spill = disk.queue
-        return ns
+        disk = self._disk
+        return Namespace(
+            namespace_id,
+            pool,
+            tenant,
+            arena,
+            self._mode_numbers,
+            self._key_index_lag,
+            disk=disk.index(namespace_id) if disk is not None else NO_DISK,
+            spill=disk.queue if disk is not None and not disk.degraded else None,
+        )
 
     def _restored_namespace(self, namespace_id: str, tenant: str | None) -> Namespace:
         """A namespace the disk tier found records of at start-up, in its tenant's pool, and in its
@@ -413,7 +412,7 @@ class MemoryBackend:
                 return [_MISS] * len(addresses)
             statuses, _ = ns.find(mode_id, addresses, touch=False)
             if ns.disk and _MISS in statuses:
-                ns.disk_statuses(mode_id, addresses, statuses)
+                ns.disk.statuses(mode_id, addresses, statuses)
         return statuses
 
     def lookup_and_pin(
@@ -428,7 +427,7 @@ class MemoryBackend:
             statuses, found = ns.find(mode_id, addresses, touch=False)
             pinned: Sequence[BlockAddress] = []
             if ns.disk and _MISS in statuses:
-                ns.disk_statuses(mode_id, addresses, statuses)
+                ns.disk.statuses(mode_id, addresses, statuses)
                 pinned = LeaseHold(a for a, s in zip(addresses, statuses, strict=True) if s is _HIT)
                 ns.holds.update(pinned)
             elif statuses.count(_HIT):
@@ -459,17 +458,9 @@ class MemoryBackend:
         a failing value is dropped, counted in corrupted_dropped and answered as a MISS. Values held on
         disk only are read back into memory first, or into a private buffer when memory has no room
         (a failing record is dropped and answered as a MISS)."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get(namespace_id, mode_id, addresses)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
-        try:
-            results = self._reader.get(namespace_id, mode_id, addresses)
-        finally:
-            self.unpin(namespace_id, back.held)
-        for i, address in enumerate(addresses):
-            if results[i].status is not _HIT and address in back.around:
-                results[i] = ReadResult(_HIT, bytes(back.around[address][0]))
-        return results
+        return self._promoter.get(namespace_id, mode_id, addresses)
 
     def get_views(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
@@ -477,17 +468,9 @@ class MemoryBackend:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
         until the caller unpins it, so an inline Get reply is built straight from the arena. A value
         read around a full memory is a view of its own buffer (nothing to unpin)."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get_views(namespace_id, mode_id, addresses)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
-        try:
-            results, pinned = self._reader.get_views(namespace_id, mode_id, addresses, back.trusted)
-        finally:
-            self.unpin(namespace_id, back.held)
-        for i, address in enumerate(addresses):
-            if results[i].status is not _HIT and address in back.around:
-                results[i] = ReadResult(_HIT, memoryview(back.around[address][0]))
-        return results, pinned
+        return self._promoter.get_views(namespace_id, mode_id, addresses)
 
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
@@ -499,57 +482,9 @@ class MemoryBackend:
         straight into the slot the reader copies from: a new entry's, or when memory has no room, a
         slot of the arena outside the pool's bytes that the lease holds (ReadPins), at most the pool's
         capacity of them at once."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get_references(namespace_id, mode_id, addresses, verify)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, self._around_slot)
-        try:
-            statuses, references, pinned = self._reader.get_references(
-                namespace_id, mode_id, addresses, verify, back.trusted
-            )
-        finally:
-            self.unpin(namespace_id, back.held)
-        self._free_around(back.failed)
-        if not back.around:
-            return statuses, references, pinned
-        used: dict[int, AroundSlot] = {}
-        for i, address in enumerate(addresses):
-            if statuses[i] is _HIT or address not in back.around:
-                continue
-            (arena, slot, pool), digest = back.around[address]
-            statuses[i] = _HIT
-            references[i] = SlotReference(
-                arena.segment, slot.offset, slot.length, slot.generation, None if verify else digest
-            )
-            used[slot.generation] = (arena, slot, pool)
-        # Served from memory after all (another Get promoted it meanwhile): free it now.
-        self._free_around([t for t, _ in back.around.values() if t[1].generation not in used])
-        return statuses, references, ReadPins(pinned, list(used.values()))
-
-    def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
-        """A slot for a value read back from disk (the disk tier calls it under the lock)."""
-        return self._allocator.allocate(ns, size)
-
-    def _around_slot(self, ns: Namespace, size: int) -> tuple[AroundSlot, memoryview] | None:
-        """A slot of the namespace's arena for a value a shared-memory Get reads around a full memory,
-        outside the pool's used and reserved bytes, up to the pool's capacity of them (the arena has
-        room for twice it); None past that (the value is a MISS for this Get). Caller holds the lock."""
-        pool = ns.pool
-        if pool.around + size > pool.capacity:
-            return None
-        slot = ns.arena.allocate(size, next(self._allocator.generations))
-        if slot is None:
-            return None
-        pool.around += size
-        arena = ns.arena
-        return (arena, slot, pool), arena.view[slot.offset : slot.offset + slot.length]
-
-    def _free_around(self, around: Sequence[AroundSlot]) -> None:
-        if not around:
-            return
-        with self._lock:
-            for arena, slot, pool in around:
-                arena.free(slot)
-                pool.around -= slot.length
+        return self._promoter.get_references(namespace_id, mode_id, addresses, verify)
 
     # -- leases -------------------------------------------------------------
 
@@ -565,9 +500,9 @@ class MemoryBackend:
             ns = self._namespaces.get(namespace_id)
             if ns is not None:
                 ns.unpin(addresses)
-        if isinstance(addresses, ReadPins):
+        if isinstance(addresses, ReadPins) and self._promoter is not None:
             around, addresses.around = addresses.around, []  # a lease released twice frees them once
-            self._free_around(around)
+            self._promoter.free_around(around)
 
     # -- reporting ----------------------------------------------------------
 

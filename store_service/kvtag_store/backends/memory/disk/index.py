@@ -1,0 +1,78 @@
+"""A namespace's records on disk: its disk index, owned by the disk tier, read by the memory tier.
+
+An index entry is one packed int (records.Location) under index_key(group, key), so a disk-resident
+key costs a dict slot, its key bytes and this int. The memory tier reads an index under its lock (its
+Lookups answer memory misses from it); the disk tier changes it only inside the memory tier's
+critical section (ports.MemorySide.critical), so a reader under that lock sees it whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtag_store.backends.base import BlockAddress, KeyStatus
+from kvtag_store.backends.memory.disk.records import MAX_MODE_NUMBER, index_key
+
+_HIT = KeyStatus.HIT
+_MISS = KeyStatus.MISS
+_MISMATCH = KeyStatus.MODE_MISMATCH
+_UNKNOWN_MODE = -2  # a mode that stored nothing on disk: matches no record
+
+
+class DiskIndex(dict[bytes, int]):
+    """index_key(group, key) -> packed location, with the disk tier's mode numbers to read them by and
+    the count of Lookup keys found only here (`hits`)."""
+
+    __slots__ = ("hits", "modes")
+
+    def __init__(self, modes: dict[str, int]) -> None:
+        """`modes`: mode_id -> its number in the packed locations, one table for the whole tier."""
+        super().__init__()
+        self.modes = modes
+        self.hits = 0
+
+    def statuses(self, mode_id: str, addresses: Sequence[BlockAddress], statuses: list[KeyStatus]) -> None:
+        """Answer the memory MISSes held here: HIT in their own mode, MODE_MISMATCH in another (no
+        bytes either way here)."""
+        mine = self.modes.get(mode_id, _UNKNOWN_MODE)
+        hits = 0
+        for i, status in enumerate(statuses):
+            if status is _MISS:
+                address = addresses[i]
+                packed = self.get(index_key(address[0], address[1]))
+                if packed is not None:
+                    if packed & MAX_MODE_NUMBER == mine:
+                        statuses[i] = _HIT
+                        hits += 1
+                    else:
+                        statuses[i] = _MISMATCH
+        self.hits += hits
+
+    def packed_statuses(self, mode_id: str, group: int, packed: bytes, length: int, part: bytes) -> bytes:
+        """A packed run's status bytes with its MISSes answered from here."""
+        mine = self.modes.get(mode_id, _UNKNOWN_MODE)
+        prefix = group.to_bytes(4, "little")
+        statuses = bytearray(part)
+        hits = 0
+        for i in range(len(statuses)):
+            if statuses[i] == _MISS:
+                found = self.get(prefix + packed[i * length : (i + 1) * length])
+                if found is not None:
+                    if found & MAX_MODE_NUMBER == mine:
+                        statuses[i] = _HIT
+                        hits += 1
+                    else:
+                        statuses[i] = _MISMATCH
+        self.hits += hits
+        return bytes(statuses)
+
+    def mode_holding(self, mode_id: str, address: BlockAddress) -> str | None:
+        """The mode whose record holds `address`, or None (`mode_id` when its number is unknown)."""
+        packed = self.get(index_key(address[0], address[1])) if self else None
+        if packed is None:
+            return None
+        number = packed & MAX_MODE_NUMBER
+        return next((m for m, n in self.modes.items() if n == number), mode_id)
+
+    def holds(self, address: BlockAddress) -> bool:
+        return bool(self) and index_key(address[0], address[1]) in self
