@@ -8,7 +8,8 @@ critical section (ports.MemorySide.critical), so a reader under that lock sees i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, MutableSequence, Sequence
+from typing import Any
 
 from kvtag_store.backends.base import BlockAddress, KeyStatus
 from kvtag_store.backends.memory.disk.records import MAX_MODE_NUMBER, index_key
@@ -34,37 +35,38 @@ class DiskIndex(dict[bytes, int]):
     def statuses(self, mode_id: str, addresses: Sequence[BlockAddress], statuses: list[KeyStatus]) -> None:
         """Answer the memory MISSes held here: HIT in their own mode, MODE_MISMATCH in another (no
         bytes either way here)."""
-        mine = self.modes.get(mode_id, _UNKNOWN_MODE)
-        hits = 0
-        for i, status in enumerate(statuses):
-            if status is _MISS:
-                address = addresses[i]
-                packed = self.get(index_key(address[0], address[1]))
-                if packed is not None:
-                    if packed & MAX_MODE_NUMBER == mine:
-                        statuses[i] = _HIT
-                        hits += 1
-                    else:
-                        statuses[i] = _MISMATCH
-        self.hits += hits
+        misses = (
+            (i, index_key(addresses[i][0], addresses[i][1])) for i, s in enumerate(statuses) if s is _MISS
+        )
+        self._answer(mode_id, misses, statuses)
 
     def packed_statuses(self, mode_id: str, group: int, packed: bytes, length: int, part: bytes) -> bytes:
         """A packed run's status bytes with its MISSes answered from here."""
-        mine = self.modes.get(mode_id, _UNKNOWN_MODE)
         prefix = group.to_bytes(4, "little")
         statuses = bytearray(part)
-        hits = 0
-        for i in range(len(statuses)):
-            if statuses[i] == _MISS:
-                found = self.get(prefix + packed[i * length : (i + 1) * length])
-                if found is not None:
-                    if found & MAX_MODE_NUMBER == mine:
-                        statuses[i] = _HIT
-                        hits += 1
-                    else:
-                        statuses[i] = _MISMATCH
-        self.hits += hits
+        misses = (
+            (i, prefix + packed[i * length : (i + 1) * length])
+            for i in range(len(statuses))
+            if statuses[i] == _MISS
+        )
+        self._answer(mode_id, misses, statuses)
         return bytes(statuses)
+
+    def _answer(
+        self, mode_id: str, misses: Iterator[tuple[int, bytes]], statuses: MutableSequence[Any]
+    ) -> None:
+        """Set statuses[i] for each (i, index key) held here, counting the hits."""
+        mine = self.modes.get(mode_id, _UNKNOWN_MODE)
+        hits = 0
+        for i, key in misses:
+            packed = self.get(key)
+            if packed is not None:
+                if packed & MAX_MODE_NUMBER == mine:
+                    statuses[i] = _HIT
+                    hits += 1
+                else:
+                    statuses[i] = _MISMATCH
+        self.hits += hits
 
     def mode_holding(self, mode_id: str, address: BlockAddress) -> str | None:
         """The mode whose record holds `address`, or None (`mode_id` when its number is unknown)."""
