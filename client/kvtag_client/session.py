@@ -247,16 +247,19 @@ class Session:
 
     def _log_warnings(self, warnings: Sequence[pb.CensusWarning]) -> None:
         for warning in warnings:
-            marker = (warning.kind, warning.other_mode_id)
+            # A LAYOUT_SPLIT names a sibling namespace, not a mode: each sibling is logged once.
+            other = warning.other_mode_id or warning.other_namespace_id
+            marker = (warning.kind, other)
             with self._lock:
                 if marker in self._logged_warnings:
                     continue
                 self._logged_warnings.add(marker)
             log.warning(
-                "kvtag store %s census warning %s (other mode %s): %s",
+                "kvtag store %s census warning %s (other %s %s): %s",
                 self.endpoint,
                 warning.kind,
-                warning.other_mode_id,
+                "mode" if warning.other_mode_id else "namespace",
+                other,
                 warning.message,
             )
 

@@ -26,5 +26,5 @@ class TestMemoryBackendContract(BackendContract):
     def test_memory_backend_offers_every_capability(self) -> None:
         store = MemoryBackend(1 << 20)
         # Built from the concrete class, so mypy also checks it against every Protocol's signatures.
-        expected = Capabilities(store, store, store, store, store, store)
+        expected = Capabilities(store, store, store, store, store, store, store, store)
         assert Capabilities.of(store) == expected

@@ -68,6 +68,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             config.default_policy,
             config.caps,
             config.census_retention_ms,
+            self.capabilities.holdings,
         )
         self.base_index = BaseKeyIndex(config.base_index_entries)
         # The bound on request and reply bytes held at once (admission.py).
@@ -135,13 +136,11 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.sweep_census()
 
     def sweep_census(self) -> None:
-        """census.sweep with the backend's blocks per namespace. A backend that holds blocks but
+        """census.sweep with the backend's blocks per namespace (NamespaceCounting). A backend that
         cannot count them per namespace (Mooncake) gives None: namespaces whose modes stored stay."""
         idle_since = time.monotonic()  # what a session names after this is kept by the backend
-        stats = self.backend.stats()
-        exact = bool(stats.per_namespace) or stats.keys == 0
-        held = {ns_id: keys for ns_id, (keys, _) in stats.per_namespace.items()} if exact else None
-        forgotten = self.census.sweep(held)
+        counting = self.capabilities.counting
+        forgotten = self.census.sweep(counting.blocks_per_namespace() if counting is not None else None)
         if forgotten:
             self.metrics.namespaces_forgotten.inc(len(forgotten))
         if self.capabilities.forgetting is not None:

@@ -4,7 +4,7 @@ records replicas share.
 The service layer (sessions, policy, leases, counters) sits above this; a
 backend only stores tagged values and answers for them. What a backend offers
 beyond BlockBackend is declared as capability Protocols and found by one check,
-`Capabilities.of`: the API layer asks it, never the backend's class. The same
+`Capabilities.of`: the API and policy layers ask it, never the backend's class. The same
 contract tests (tests/contract/backend_contract.py, subclassed once per
 backend) run against every backend, through these Protocols.
 """
@@ -282,6 +282,29 @@ class Forgetting(Protocol):
         ...
 
 
+@runtime_checkable
+class NamespaceCounting(Protocol):
+    """Counts its stored blocks per namespace, in every tier, so the census forgets a namespace
+    exactly when it holds none. A backend without it (Mooncake: the cluster's figures are not per
+    namespace) leaves the census to keep every namespace whose modes stored blocks."""
+
+    def blocks_per_namespace(self) -> dict[str, int]:
+        """namespace_id -> stored blocks, for every namespace holding at least one."""
+        ...
+
+
+@runtime_checkable
+class ModeHoldings(Protocol):
+    """Says which modes hold blocks in a namespace, whoever stored them and however long ago, so
+    OpenSession tells an engine of blocks it can never read even on a replica (or after a restart)
+    that never saw the engine that stored them."""
+
+    def modes_holding(self, namespace_id: str) -> frozenset[str]:
+        """The mode ids whose blocks the namespace holds, or may hold where the backend cannot count
+        them (Mooncake: the modes its mode directory names, blocks evicted or not)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one backend offers beyond BlockBackend, each the backend itself or None. `of` is the one
@@ -293,6 +316,8 @@ class Capabilities:
     views: ViewReads | None
     shared_memory: SharedMemoryBackend | None
     forgetting: Forgetting | None
+    counting: NamespaceCounting | None
+    holdings: ModeHoldings | None
 
     @classmethod
     def of(cls, backend: object) -> Capabilities:
@@ -303,6 +328,8 @@ class Capabilities:
             views=backend if isinstance(backend, ViewReads) else None,
             shared_memory=backend if isinstance(backend, SharedMemoryBackend) else None,
             forgetting=backend if isinstance(backend, Forgetting) else None,
+            counting=backend if isinstance(backend, NamespaceCounting) else None,
+            holdings=backend if isinstance(backend, ModeHoldings) else None,
         )
 
 
@@ -325,3 +352,19 @@ class CensusStore(Protocol):
 
     def reference_probe(self, namespace_id: str, mode_id: str, record: ProbeRecord) -> ProbeRecord:
         """Record the probe keys for (namespace, mode) if none are; return the reference record."""
+
+    # What namespaces and modes are, so a replica that never saw an engine can still name what it
+    # left: the fields another mode differs in, the layout of a sibling namespace of the same model.
+    # Best effort: a lost record loses a warning's detail, never a decision.
+
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> None:
+        """Record the namespace's descriptor (serialized NamespaceDescriptor) under its model (the
+        namespaces of one model and tenant share a model_key), and the mode's canonical encoding."""
+
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
+        """mode_id -> canonical encoding, of those of mode_ids described in the namespace."""
+
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
+        """namespace_id -> serialized NamespaceDescriptor, of the namespaces described under the model."""

@@ -13,6 +13,8 @@ engines, refusals) sit in bounded logs (records.py).
 
 from __future__ import annotations
 
+import logging
+import struct
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -23,9 +25,9 @@ from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 
 from kvtag_store import errors
-from kvtag_store.backends.base import CensusStore, ProbeRecord
+from kvtag_store.backends.base import BackendUnavailable, CensusStore, ModeHoldings, ProbeRecord
 from kvtag_store.config import Caps
-from kvtag_store.policy import caps, mode_diff
+from kvtag_store.policy import caps, mode_diff, split_warnings
 from kvtag_store.policy.census_state import (
     DEFAULT_RETENTION_MS,
     MAX_IDLE_MODES,
@@ -36,6 +38,8 @@ from kvtag_store.policy.census_state import (
 )
 from kvtag_store.policy.records import RecordShelf
 from kvtag_store.policy.sessions import Session, now_ms
+
+log = logging.getLogger("kvtag_store.policy.census")
 
 
 @runtime_checkable
@@ -62,8 +66,12 @@ class Census:
         default_policy: int,
         limits: Caps | None = None,
         retention_ms: int = DEFAULT_RETENTION_MS,
+        holdings: ModeHoldings | None = None,
     ) -> None:
+        """`holdings`: the backend, when it says which modes hold blocks in a namespace (MODE_SPLIT
+        then names them whoever stored them); else the modes this census saw store are taken."""
         self._store = store
+        self._holdings = holdings
         self._policy_for = policy_for
         self._default_policy = default_policy
         self._caps = limits or Caps()
@@ -128,7 +136,47 @@ class Census:
             if state.policy == pb.POLICY_STRICT:
                 raise warning
             warnings.append(warning.warning)
+        warnings.extend(self._described_and_siblings(ns_id, mode_id, request))
         return Admission(ns_id, mode_id, state.policy, warnings)
+
+    def _described_and_siblings(
+        self, ns_id: str, mode_id: str, request: pb.OpenSessionRequest
+    ) -> list[pb.CensusWarning]:
+        """Describe the admitted namespace and mode (CensusStore.describe), and LAYOUT_SPLIT for the
+        model's sibling layouts holding blocks. Best effort: a backend that cannot answer now costs
+        the warnings, never the session."""
+        key = split_warnings.model_key(request.namespace)
+        try:
+            self._store.describe(
+                ns_id, key, request.namespace.SerializeToString(), mode_id, ids.mode_encoding(request.mode)
+            )
+            siblings = self._store.namespaces_of(key)
+            return list(
+                split_warnings.layout_splits(
+                    request.engine_id, ns_id, request.namespace, siblings, self._holds_blocks
+                )
+            )
+        except BackendUnavailable as exc:
+            log.warning("namespace %s: sibling layouts not checked at OpenSession (%s)", ns_id, exc)
+            return []
+
+    def _holds_blocks(self, ns_id: str) -> bool:
+        """Whether the namespace holds blocks, by the backend where it can say, else by the census."""
+        if self._holdings is not None:
+            return bool(self._holdings.modes_holding(ns_id))
+        with self._lock:
+            state = self._namespaces.get(ns_id)
+            return state is not None and state.holds_blocks()
+
+    def _held_modes(self, ns_id: str) -> frozenset[str] | None:
+        """The modes whose blocks the namespace holds, by the backend; None when it cannot say now."""
+        if self._holdings is None:
+            return None
+        try:
+            return self._holdings.modes_holding(ns_id)
+        except BackendUnavailable as exc:
+            log.warning("namespace %s: modes holding blocks not read at OpenSession (%s)", ns_id, exc)
+            return None
 
     def _check_namespace_room(self, tenant: str) -> None:
         """Raise NAMESPACE_CAP_REACHED if one more namespace would pass a cap. Caller holds the lock."""
@@ -146,36 +194,25 @@ class Census:
     def _split_warnings(
         self, state: NamespaceState, mode_id: str, request: pb.OpenSessionRequest, ns_text: str
     ) -> Iterator[pb.CensusWarning]:
-        """MODE_SPLIT for each other mode with live engines, or whose stored blocks the namespace may
-        still hold (whoever stored them, however long ago: the census keeps such a mode while the
-        namespace holds blocks)."""
+        """MODE_SPLIT for each other mode with live engines, or whose blocks the namespace holds:
+        whoever stored them, through any replica, however long ago, as the backend says (ModeHoldings);
+        where it cannot, the modes this census saw store while the namespace holds blocks."""
+        held = self._held_modes(state.namespace_id)
         with self._lock:
             holds = state.holds_blocks()
-            others = [
-                (other_id, other.mode, bool(other.live))
+            others: dict[str, tuple[pb.HashingMode | None, bool]] = {
+                other_id: (other.mode, bool(other.live))
                 for other_id, other in state.modes.items()
-                if other_id != mode_id and (other.live or (holds and other.stored))
-            ]
-        for other_id, other_mode, live in others:
-            fields = ", ".join(
-                f"{d.field} {d.established} there, {d.requested} here"
-                for d in mode_diff.mode_diff(other_mode, request.mode)
-            )
-            where = (
-                f"live engines there hash in mode {other_id} ({fields}); the two modes never share "
-                "blocks, so each loses the other's hits"
-                if live
-                else f"its blocks were stored in mode {other_id} ({fields}), which this mode can never "
-                "read, so they are misses here"
-            )
-            yield pb.CensusWarning(
-                kind="MODE_SPLIT",
-                other_mode_id=other_id,
-                message=(
-                    f"engine `{request.engine_id}` joins namespace {ns_text} in mode {mode_id}, but {where}; "
-                    "align the engines' hashing or split them into separate namespaces (`kvtag-store "
-                    "diagnose` counts the cross-mode misses)"
-                ),
+                if other_id != mode_id
+                and (other.live or (other_id in held if held is not None else holds and other.stored))
+            }
+        unknown = sorted((held or frozenset()) - others.keys() - {mode_id})
+        described = self._store.described_modes(state.namespace_id, unknown) if unknown else {}
+        for other_id in unknown:
+            others[other_id] = (_decoded(described.get(other_id)), False)
+        for other_id, (other_mode, live) in sorted(others.items()):
+            yield split_warnings.mode_split(
+                request.engine_id, ns_text, mode_id, request.mode, other_id, other_mode, live
             )
 
     def _record_refusal(
@@ -418,6 +455,16 @@ class Census:
     def namespace_count(self, tenant: str | None = None) -> int:
         with self._lock:
             return len(self._namespaces) if tenant is None else self._per_tenant[tenant]
+
+
+def _decoded(encoding: bytes | None) -> pb.HashingMode | None:
+    """A described mode's fields; None when not described or unreadable (a damaged record)."""
+    if not encoding:
+        return None
+    try:
+        return mode_diff.decode_mode(encoding)
+    except (ValueError, struct.error, UnicodeDecodeError):
+        return None
 
 
 class _ProbeDrift(errors.ApiError):

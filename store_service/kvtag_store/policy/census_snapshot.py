@@ -2,11 +2,12 @@
 `--disk-dir` is what it was before: a strict namespace keeps refusing the modes it refused.
 
 What admission reads across sessions is only the CensusStore's records: a strict namespace's
-established mode and each mode's reference probe keys (policy/census.py); engines, counters and
-refusal logs are this process's view and start empty. The records change once per new namespace
-or mode, so every change rewrites the whole snapshot synchronously (tmp + fsync + rename + fsync
-of the directory): a record admitted is a record that survives a crash. The cost is one small file
-write per first session of a namespace or mode, bounded by --max-namespaces.
+established mode, each mode's reference probe keys, and the descriptions of namespaces and modes
+that name what a gone engine left (MODE_SPLIT's field diff, LAYOUT_SPLIT's sibling; policy/census.py);
+engines, counters and refusal logs are this process's view and start empty. The records change once
+per new namespace or mode, so every change rewrites the whole snapshot synchronously (tmp + fsync +
+rename + fsync of the directory): a record admitted is a record that survives a crash. The cost is a
+small file write or two per first session of a namespace or mode, bounded by --max-namespaces.
 
 The blocks on disk are a second witness: a namespace whose restored blocks carry modes {A} but no
 established mode in the snapshot (a snapshot lost or corrupt) admits only those modes under strict,
@@ -19,15 +20,17 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
 
 from kvtag_store import errors
 from kvtag_store.backends.base import ProbeRecord
+from kvtag_store.backends.descriptions import Descriptions
 from kvtag_store.policy import mode_diff
 
 log = logging.getLogger("kvtag_store.policy.census_snapshot")
@@ -48,6 +51,7 @@ class SnapshotCensus:
         self._lock = threading.Lock()
         self._modes: dict[str, bytes] = {}
         self._probes: dict[str, dict[str, ProbeRecord]] = {}
+        self._descriptions = Descriptions()
         self._load()
         # Strict namespaces without an established record admit only their disk blocks' modes.
         self._disk_modes = {
@@ -80,12 +84,26 @@ class SnapshotCensus:
             self._write_locked()
             return record
 
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> None:
+        with self._lock:
+            if self._descriptions.describe(namespace_id, model_key, namespace, mode_id, mode):
+                self._write_locked()
+
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
+        return self._descriptions.described_modes(namespace_id, mode_ids)
+
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
+        return self._descriptions.namespaces_of(model_key)
+
     def forget_namespace(self, namespace_id: str) -> None:
         """The census forgets a namespace only once it holds no block in either tier: nothing is
         left for its records to keep consistent."""
         with self._lock:
             dropped = self._modes.pop(namespace_id, None) is not None
             dropped |= self._probes.pop(namespace_id, None) is not None
+            dropped |= self._descriptions.forget(namespace_id)
             self._disk_modes.pop(namespace_id, None)
             if dropped:
                 self._write_locked()
@@ -102,8 +120,10 @@ class SnapshotCensus:
         except FileNotFoundError:
             return
         try:
-            modes, probes = _decode(json.loads(text))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            document = json.loads(text)
+            modes, probes = _decode(document)
+            descriptions = _decode_descriptions(document)
+        except (ValueError, KeyError, TypeError, AttributeError, DecodeError) as exc:
             aside = self.path.with_name(self.path.name + ".corrupt")
             os.replace(self.path, aside)
             log.warning(
@@ -114,7 +134,7 @@ class SnapshotCensus:
                 aside,
             )
             return
-        self._modes, self._probes = modes, probes
+        self._modes, self._probes, self._descriptions = modes, probes, descriptions
 
     def _write_locked(self) -> None:
         document = {
@@ -126,6 +146,15 @@ class SnapshotCensus:
                     for mode_id, r in sorted(by_mode.items())
                 }
                 for ns_id, by_mode in sorted(self._probes.items())
+            },
+            # Optional in the format (a snapshot written before they were kept has none).
+            "namespaces": {
+                ns_id: {"model": model_key, "descriptor": descriptor.hex()}
+                for ns_id, (model_key, descriptor) in sorted(self._descriptions.namespaces.items())
+            },
+            "hashings": {
+                ns_id: {mode_id: encoding.hex() for mode_id, encoding in sorted(by_mode.items())}
+                for ns_id, by_mode in sorted(self._descriptions.modes.items())
             },
         }
         write_atomically(self.path, json.dumps(document, separators=(",", ":")).encode())
@@ -166,6 +195,25 @@ def _decode(document: Any) -> tuple[dict[str, bytes], dict[str, dict[str, ProbeR
         for ns_id, by_mode in document["probes"].items()
     }
     return modes, probes
+
+
+def _decode_descriptions(document: Any) -> Descriptions:
+    """The snapshot's descriptions of namespaces and modes (absent from older snapshots)."""
+    descriptions = Descriptions()
+    hashings = {
+        str(ns_id): {str(mode_id): bytes.fromhex(encoding) for mode_id, encoding in by_mode.items()}
+        for ns_id, by_mode in document.get("hashings", {}).items()
+    }
+    for by_mode in hashings.values():
+        for encoding in by_mode.values():
+            mode_diff.decode_mode(encoding)
+    for ns_id, described in document.get("namespaces", {}).items():
+        descriptor = bytes.fromhex(described["descriptor"])
+        pb.NamespaceDescriptor.FromString(descriptor)  # a damaged descriptor fails here
+        descriptions.namespaces[str(ns_id)] = (str(described["model"]), descriptor)
+        descriptions.models.setdefault(str(described["model"]), set()).add(str(ns_id))
+    descriptions.modes = hashings
+    return descriptions
 
 
 def _refused_by_blocks(namespace_id: str, requested: str, on_disk: frozenset[str]) -> errors.ApiError:

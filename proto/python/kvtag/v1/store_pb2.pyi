@@ -186,14 +186,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceDescriptor, _Mapping]] = ..., mode: _Optional[_Union[HashingMode, _Mapping]] = ..., probe_keys: _Optional[_Iterable[bytes]] = ..., data_paths: _Optional[_Iterable[_Union[DataPath, str]]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CensusWarning(_message.Message):
-    __slots__ = ("kind", "message", "other_mode_id")
+    __slots__ = ("kind", "message", "other_mode_id", "diffs", "other_namespace_id", "other_namespace")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OTHER_MODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DIFFS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     message: str
     other_mode_id: str
-    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., other_mode_id: _Optional[str] = ...) -> None: ...
+    diffs: _containers.RepeatedCompositeFieldContainer[FieldDiff]
+    other_namespace_id: str
+    other_namespace: NamespaceDescriptor
+    def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., other_mode_id: _Optional[str] = ..., diffs: _Optional[_Iterable[_Union[FieldDiff, _Mapping]]] = ..., other_namespace_id: _Optional[str] = ..., other_namespace: _Optional[_Union[NamespaceDescriptor, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "namespace_id", "mode_id", "policy", "warnings", "session_ttl_ms", "data_path", "limits", "shared_memory_offer")

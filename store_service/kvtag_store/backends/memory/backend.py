@@ -56,7 +56,7 @@ from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
 from kvtag_store.backends.memory.tenancy import Tenancy
 from kvtag_store.backends.memory.tiering import MemoryPort
-from kvtag_store.backends.memory.usage import usage_report
+from kvtag_store.backends.memory.usage import blocks_held, disk_modes, modes_in_memory_and_disk, usage_report
 from kvtag_store.backends.shm import Arena, Slot
 
 _HIT = KeyStatus.HIT
@@ -410,6 +410,21 @@ class MemoryBackend:
                 # disk (TierStats has no field for it; backend errors by kind are shown beside it).
                 report.errors["disk_spill_dropped"] = self._disk.spill_dropped
         return report
+
+    def blocks_per_namespace(self) -> dict[str, int]:
+        """namespace_id -> blocks held in either tier (NamespaceCounting), for the census's sweep."""
+        with self._lock:
+            return {ns_id: held for ns_id, ns in self._namespaces.items() if (held := blocks_held(ns))}
+
+    def modes_holding(self, namespace_id: str) -> frozenset[str]:
+        """The modes whose blocks the namespace holds in either tier (ModeHoldings)."""
+        with self._lock:
+            ns = self._namespaces.get(namespace_id)
+            if ns is None:
+                return frozenset()
+            modes, on_disk = modes_in_memory_and_disk(ns)
+            numbers = dict(ns.disk.modes) if on_disk else {}
+        return frozenset(modes | disk_modes(on_disk, numbers)) if on_disk else frozenset(modes)
 
     def disk_tier(self) -> DiskTier | None:
         """The disk tier, for its own figures (spill_dropped, rebuild time); None without one."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 from kvtag_store.backends.base import ProbeRecord
+from kvtag_store.backends.descriptions import Descriptions
 
 
 class MemoryCensus:
@@ -15,6 +17,7 @@ class MemoryCensus:
         self._lock = threading.Lock()
         self._modes: dict[str, bytes] = {}
         self._probes: dict[str, dict[str, ProbeRecord]] = {}  # namespace -> mode -> reference
+        self.descriptions = Descriptions()
 
     def establish_mode(self, namespace_id: str, mode_encoding: bytes) -> bytes:
         with self._lock:
@@ -24,12 +27,24 @@ class MemoryCensus:
         with self._lock:
             return self._probes.setdefault(namespace_id, {}).setdefault(mode_id, record)
 
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> None:
+        self.descriptions.describe(namespace_id, model_key, namespace, mode_id, mode)
+
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
+        return self.descriptions.described_modes(namespace_id, mode_ids)
+
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
+        return self.descriptions.namespaces_of(model_key)
+
     def forget_namespace(self, namespace_id: str) -> None:
-        """Drop the namespace's first mode and probe references: nothing of it is left for them to keep
-        consistent, and a later session starts it afresh."""
+        """Drop the namespace's first mode, probe references and descriptions: nothing of it is left
+        for them to keep consistent or name, and a later session starts it afresh."""
         with self._lock:
             self._modes.pop(namespace_id, None)
             self._probes.pop(namespace_id, None)
+        self.descriptions.forget(namespace_id)
 
     def namespaces_held(self) -> int:
         with self._lock:

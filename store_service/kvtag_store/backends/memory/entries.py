@@ -155,6 +155,7 @@ class Namespace:
         "key_index",
         "key_index_lag",
         "leases",
+        "mode_blocks",
         "mode_numbers",
         "namespace_id",
         "pins",
@@ -187,6 +188,8 @@ class Namespace:
         self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
         self.arena = arena
         self.entries: dict[BlockAddress, Entry] = {}
+        # mode_id -> its entries in memory: which modes hold blocks here, without a pass over them.
+        self.mode_blocks: Counter[str] = Counter()
         # group -> fingerprints of the stored keys with their mode numbers, for packed Lookups; it
         # lags `entries` by the addresses in `changed` (sync_key_index).
         self.key_index: dict[int, key_index.KeyIndex] = {}
@@ -266,6 +269,7 @@ class Namespace:
             pool.lru.move_to_end((self.namespace_id, address))  # as ReserveSlots' ALREADY_PRESENT does
             return ALREADY_PRESENT
         self.entries[address] = Entry(mode_id, self.arena, slot, digest, disk)
+        self.mode_blocks[mode_id] += 1
         if disk is None and self.spill is not None:
             self.spill.append((self.namespace_id, address, slot.generation, slot.length))
         self.note_changed(address)
@@ -276,6 +280,11 @@ class Namespace:
 
     def remove(self, address: BlockAddress, entry: Entry) -> None:
         del self.entries[address]
+        left = self.mode_blocks[entry.mode_id] - 1
+        if left > 0:
+            self.mode_blocks[entry.mode_id] = left
+        else:
+            del self.mode_blocks[entry.mode_id]
         self.note_changed(address)
         del self.pool.lru[(self.namespace_id, address)]
         self.arena.free(entry.slot)

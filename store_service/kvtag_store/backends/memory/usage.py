@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvtag_store.backends.base import BackendStats, TenantUsage, TierUsage
+from kvtag_store.backends.memory.disk.records import MAX_MODE_NUMBER
 from kvtag_store.backends.memory.entries import Namespace
 from kvtag_store.backends.memory.pools import Pool
 
@@ -58,7 +59,7 @@ def usage_report(
         ),
         corrupted_dropped=corrupted,
         per_namespace={
-            ns_id: (_blocks_held(ns), ns.used_bytes)
+            ns_id: (blocks_held(ns), ns.used_bytes)
             for ns_id, ns in namespaces.items()
             if ns.entries or ns.disk
         },
@@ -79,10 +80,24 @@ def usage_report(
     )
 
 
-def _blocks_held(ns: Namespace) -> int:
+def blocks_held(ns: Namespace) -> int:
     """Distinct blocks of the namespace in either tier: the census must not take a namespace whose
     blocks are on disk only for empty. An entry read back from disk (or written there) is in both."""
     if not ns.disk:
         return len(ns.entries)
     in_both = sum(1 for entry in ns.entries.values() if entry.disk is not None)
     return len(ns.entries) + len(ns.disk) - in_both
+
+
+def modes_in_memory_and_disk(ns: Namespace) -> tuple[set[str], list[int]]:
+    """The modes of the namespace's entries in memory, and a copy of its disk index's packed
+    locations (their low bits are mode numbers) for `disk_modes` to read outside the lock. Caller
+    holds the lock."""
+    return {mode for mode, count in ns.mode_blocks.items() if count > 0}, list(ns.disk.values())
+
+
+def disk_modes(locations: list[int], mode_numbers: Mapping[str, int]) -> set[str]:
+    """The mode ids of disk records, by their mode numbers (a pass over every record: called at
+    OpenSession, outside the lock)."""
+    numbers = {packed & MAX_MODE_NUMBER for packed in locations}
+    return {mode for mode, number in mode_numbers.items() if number in numbers}

@@ -161,6 +161,12 @@ class MooncakeBackend:
         modes = self._cluster.modes.known(namespace_id)
         return [k for mode in modes for k in object_keys(namespace_id, mode, addresses)]
 
+    def modes_holding(self, namespace_id: str) -> frozenset[str]:
+        """The modes the namespace's mode directory names (ModeHoldings): every mode registers there
+        before its first put, through any replica. The cluster cannot count blocks per namespace, so
+        a mode whose blocks were all evicted is still named: "may hold"."""
+        return frozenset(self._cluster.modes.current(namespace_id))
+
     # -- reporting ----------------------------------------------------------
 
     def stats(self) -> BackendStats:

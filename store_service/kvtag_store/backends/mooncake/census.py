@@ -33,11 +33,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
 from kvtag_store.backends.mooncake.client import MooncakeClient, pinned_config
 from kvtag_store.backends.mooncake.cluster import EXISTS_DOWN
+from kvtag_store.backends.mooncake.descriptions import ClusterDescriptions
 from kvtag_store.backends.mooncake.format import FormatError, census_key, decode_record, encode_record
 from kvtag_store.backends.mooncake.health import MASTER_DOWN, MasterBreaker
 
@@ -91,6 +93,7 @@ class MooncakeCensus:
         self._client = client
         self._breaker = breaker
         self._config = pinned_config()
+        self.descriptions = ClusterDescriptions(client, breaker, self._config)
         self._lock = threading.Lock()
         # Records this replica has read or written, by Mooncake key: what it restores.
         self._known: dict[str, _Record] = {}
@@ -116,6 +119,17 @@ class MooncakeCensus:
         keep = census_key(namespace_id, "mode") in self._known_copy()
         won = json.loads(self._agree(key, body, settle=False, keep=keep).body)
         return ProbeRecord(str(won["engine_id"]), tuple(bytes.fromhex(k) for k in won["probe_keys"]))
+
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> None:
+        self.descriptions.describe(namespace_id, model_key, namespace, mode_id, mode)
+
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
+        return self.descriptions.described_modes(namespace_id, mode_ids)
+
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
+        return self.descriptions.namespaces_of(model_key)
 
     def close(self) -> None:
         self._stop.set()

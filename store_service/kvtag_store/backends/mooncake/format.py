@@ -84,6 +84,11 @@ def census_key(namespace_id: str, record: str) -> str:
     return f"{CENSUS_PREFIX}/census/{namespace_id}/{record}"
 
 
+def layout_key(model_key: str, slot: int) -> str:
+    """Slot `slot` of a model's layout directory (mooncake.descriptions): one namespace of the model."""
+    return f"{CENSUS_PREFIX}/census/models/{model_key}/layouts/{slot}"
+
+
 def key_digest(key: bytes) -> bytes:
     """Binds a value to its block key: a value found under another key is refused."""
     return hashlib.blake2b(key, digest_size=16).digest()

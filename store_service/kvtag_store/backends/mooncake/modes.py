@@ -79,6 +79,23 @@ class ModeDirectory:
     def others(self, namespace_id: str, mode_id: str) -> list[str]:
         return [m for m in self.known(namespace_id) if m != mode_id]
 
+    def current(self, namespace_id: str) -> list[str]:
+        """The modes the cluster's directory names now, with those this replica knows (OpenSession
+        asks: another replica may have registered one). A read beside the data path's view: it leaves
+        that view and its rescan rate limit as they are, so the next call's probe still sees a mode
+        registered since and rescans."""
+        keys = [directory_key(namespace_id, i) for i in range(MAX_MODES)]
+        codes = self._exists(keys, "reading the namespace's mode directory")
+        with self._lock:
+            slots = dict(self._slots.get(namespace_id, {}))
+        modes = dict.fromkeys(slots.values())
+        for slot, code in enumerate(codes):
+            if code == 1:
+                mode = slots.get(slot) or self._read_slot(keys[slot])
+                if mode is not None:
+                    modes[mode] = None
+        return list(modes)
+
     def probe(self, namespace_id: str) -> Probe:
         """The slots to check beside a call's keys (read from the cluster first if never read)."""
         if namespace_id not in self._scanned_at:
