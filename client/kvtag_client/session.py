@@ -17,7 +17,9 @@ from kvtag_proto.errors import KvtagError, parse_error
 from kvtag_proto.ids import mode_id as derive_mode_id
 from kvtag_proto.ids import namespace_id as derive_namespace_id
 
-from kvtag_client.errors import AUTH_CODES, CallFailed, Deadline, is_session_gone, log, status_code
+from kvtag_client.deadlines import Deadline
+from kvtag_client.errors import AUTH_CODES, CallFailed, is_session_gone, status_code
+from kvtag_client.logs import log
 
 # Limits assumed until OpenSession returns the server's own.
 _DEFAULT_LIMITS = pb.Limits(

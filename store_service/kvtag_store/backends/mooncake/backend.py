@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     BackendStats,
     BlockAddress,
@@ -36,6 +35,7 @@ from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.shared_memory import SharedMemoryHalf
 from kvtag_store.backends.mooncake.staging import StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.shm.arena import Arena
 
 # Re-exported: callers name the client, its settings and connect beside the backend.
 __all__ = ["MooncakeBackend", "MooncakeClient", "MooncakeSettings", "connect", "read_master_metrics"]

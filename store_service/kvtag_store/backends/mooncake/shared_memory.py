@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     NO_RESERVATION,
     BlockAddress,
@@ -28,6 +27,7 @@ from kvtag_store.backends.mooncake.format import HEADER_BYTES, FormatError, deco
 from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.shm.arena import Arena
 
 # Spare slots of a staging arena stay within this share of it: the rest is for reads and reservations.
 SPARE_SHARE = 4
