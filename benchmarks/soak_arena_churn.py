@@ -1,5 +1,5 @@
 """Put throughput of the memory backend at full capacity, where every put evicts: what giving freed
-slots' pages back (backends/arena.py) may cost the data path.
+slots' pages back (backends/shm/arena.py) may cost the data path.
 
 Three streams against a 64 MiB shared pool in /dev/shm, in process (no gRPC, so the arena's part is
 not hidden in the RPC's): one tenant's 256 KiB blocks (evicted slots reused at once: nothing should

@@ -23,6 +23,12 @@ endef
 $(eval $(call vllm_wheel_env,033,requirements/vllm-0.33.0-cpu-lock.txt))
 $(eval $(call vllm_wheel_env,034,requirements/vllm-0.34.0-cpu-lock.txt))
 
+# Canonical keys across versions: a 0.33 producer (its own process and venv) and a 0.34 consumer share keys.
+.PHONY: test-cross-version
+test-cross-version: $(STAMPS)/vllm033 $(STAMPS)/vllm034 $(STAMPS)/service
+	KVTAG_PRODUCER_PYTHON=.venv-vllm033/bin/python .venv-vllm034/bin/pytest -q tests/cross_version
+EXTRA_TESTS += test-cross-version
+
 # The day a release appears: the newest `vllm` the registry serves, --no-deps over the 0.34 lock, then the
 # connector suite and the conformance probes against it. Not part of `make test`; rebuilt on every run.
 .PHONY: test-vllm-latest
@@ -52,7 +58,7 @@ $(STAMPS)/gpu: client/pyproject.toml proto/pyproject.toml requirements/constrain
 .PHONY: test-gpu
 ifeq ($(HAS_GPU),yes)
 test-gpu: $(STAMPS)/gpu $(STAMPS)/service
-	$(GPU_VENV)/bin/pytest -q -s tests/gpu
+	HF_HUB_OFFLINE=1 $(GPU_VENV)/bin/pytest -q -s tests/gpu
 EXTRA_TESTS += test-gpu
 else
 test-gpu:

@@ -11,15 +11,9 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.errors import parse_error
 
-from kvtag_client.errors import (
-    AUTH_CODES,
-    OUTAGE_CODES,
-    CallFailed,
-    Deadline,
-    is_session_gone,
-    log,
-    status_code,
-)
+from kvtag_client.deadlines import Deadline
+from kvtag_client.errors import AUTH_CODES, OUTAGE_CODES, CallFailed, is_session_gone, status_code
+from kvtag_client.logs import log
 from kvtag_client.session import Session
 
 _T = TypeVar("_T")

@@ -1,16 +1,10 @@
-"""How a store call fails: one deadline per public call, the failure already handled, the status codes
-that mean an outage or a refused token, and the one logger of the whole client."""
+"""How a store call fails: the failure already handled, and the status codes that mean an outage, a
+refused token or a session the store no longer knows."""
 
 from __future__ import annotations
 
-import logging
-import time
-
 import grpc
 from kvtag_proto.errors import parse_error
-
-# One logger for the whole client, under the name users (and tests) already configure.
-log = logging.getLogger("kvtag_client.store")
 
 # Codes that mean "the store (or the path to it) is not working right now".
 OUTAGE_CODES = frozenset(
@@ -33,19 +27,6 @@ AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISS
 
 class CallFailed(Exception):
     """A store call failed and was already handled (state updated, logged); return the fallback."""
-
-
-class Deadline:
-    """One bound for a whole public call, shared by its re-open and retry."""
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def remaining(self) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise CallFailed("deadline exhausted")
-        return left
 
 
 def status_code(err: grpc.RpcError) -> grpc.StatusCode:

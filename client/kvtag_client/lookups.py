@@ -9,7 +9,9 @@ from itertools import repeat
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Caller, Leases
-from kvtag_client.errors import CallFailed, Deadline, log
+from kvtag_client.deadlines import Deadline
+from kvtag_client.errors import CallFailed
+from kvtag_client.logs import log
 from kvtag_client.packed_keys import PackedKeys, add_runs, chunked, pack_blocks
 
 _HIT_BYTE = bytes([pb.HIT])

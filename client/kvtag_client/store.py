@@ -146,6 +146,15 @@ class StoreClient:
         """Stop the background threads, close the session (best effort) and the channel. Idempotent."""
         self.session.close()
 
+    def report_usage(self, *, lookups: int = 0, hits: int = 0, misses: int = 0, stored: int = 0) -> None:
+        """Blocks another data path looked up, hit, missed and stored (the companion mode), for the
+        store's census; sent with the session's heartbeats, never on the caller's thread."""
+        self.session.add_usage(lookups=lookups, hits=hits, misses=misses, stored=stored)
+
+    def flush_usage(self) -> bool:
+        """Send the reported usage now; True once the store has it (False while it is unreachable)."""
+        return self.session.flush_usage()
+
     def __enter__(self) -> Self:
         return self
 

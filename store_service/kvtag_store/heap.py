@@ -30,10 +30,9 @@ def give_back() -> bool:
     """Collect reference cycles, then return free heap pages to the system; True when some were.
 
     The collection comes first because forgotten namespaces leave cycles behind, and until the
-    collector's next full pass they keep whole 1 MiB small-object arenas of the interpreter mapped
-    (after 20,000 namespaces: 62 arenas before the collection, 57 after). The full pass holds the
-    GIL for a time that grows with the store's tracked objects (measured here: 8 ms for 200,000,
-    57 ms for a million, 259 ms for three million); a sweep forgets namespaces at most every 30 s,
-    and the interpreter's own full passes cost the same."""
+    collector's next full pass they keep whole small-object arenas of the interpreter mapped. The
+    full pass holds the GIL for a time that grows with the store's tracked objects
+    (docs/benchmarks.md); a sweep forgets namespaces at most every 30 s, and the interpreter's own
+    full passes cost the same."""
     gc.collect()
     return _TRIM is not None and bool(_TRIM(0))

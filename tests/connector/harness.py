@@ -132,6 +132,7 @@ class Setup:
     max_num_batched_tokens: int = 512
     multi_with: list[dict[str, Any]] | None = None
     kv_role: str = "kv_both"
+    hash_algo: str = "sha256"
 
     def vllm_config(self) -> VllmConfig:
         model_config = ModelConfig(
@@ -165,6 +166,7 @@ class Setup:
         cache = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=True,
+            prefix_caching_hash_algo=self.hash_algo,
             **({"mamba_cache_mode": "align"} if self.hybrid else {}),
             **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
         )
@@ -219,16 +221,21 @@ class Setup:
             groups.append(KVCacheGroupSpec([MAMBA_LAYER], mamba))
         return KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
-    def build(self) -> Engine:
+    def resolved(self) -> tuple[VllmConfig, KVCacheConfig, int, int]:
+        """The configs with the block sizes resolved the way EngineCore does, before the connector (built
+        by the Scheduler) reads them: (vllm config, KV cache config, block size, hash block size)."""
         vc = self.vllm_config()
         kvc = self.kv_cache_config(vc)
         vc.cache_config.num_gpu_blocks = self.num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kvc, vc)
-        # Resolved the way EngineCore does, before the connector (built by the Scheduler) reads them.
         kvc.hash_block_size = hash_block_size
         kvc.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
             kvc, vc, block_size, hash_block_size
         )
+        return vc, kvc, block_size, hash_block_size
+
+    def build(self) -> Engine:
+        vc, kvc, block_size, hash_block_size = self.resolved()
         scheduler = Scheduler(
             vllm_config=vc,
             kv_cache_config=kvc,

@@ -1,4 +1,4 @@
-"""The GPU suite: vLLM 0.33 with CUDA, a tiny model built locally, a real store on loopback.
+"""The GPU suite: vLLM 0.34 with CUDA (as `pip install vllm` gives it), a tiny local model, a real store.
 
 Without a CUDA device every test here is skipped with one reason (`make test-gpu` does not even
 build its environment then, and says so in one line).

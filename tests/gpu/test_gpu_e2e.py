@@ -1,4 +1,4 @@
-"""vLLM 0.33 on CUDA with kvtag over the shared-memory path: greedy output of a warm engine (its
+"""vLLM 0.34 on CUDA with kvtag over the shared-memory path: greedy output of a warm engine (its
 prefix loaded from the store) equals the cold engine's, and sleep/wake keeps it so."""
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from kvtag_store.backends.mooncake.format import (
     HEADER_BYTES,
     directory_key,
     encode_header,
-    legacy_object_key,
     object_key,
 )
 from kvtag_store.backends.mooncake.modes import MAX_MODES
 
+from .legacy_keys import legacy_object_key
 from .mooncake_cluster import MooncakeCluster, settings_for
 from .test_mooncake_reads import MODE, OTHER_MODE, addr, fresh_ns
 

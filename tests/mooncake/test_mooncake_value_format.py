@@ -12,11 +12,12 @@ from kvtag_store.backends.mooncake.format import (
     directory_key,
     encode_header,
     encode_record,
-    legacy_object_key,
     object_key,
     object_keys,
     verify_payload,
 )
+
+from tests.mooncake.legacy_keys import legacy_object_key
 
 NS, MODE, KEY, PAYLOAD, NONCE = "ns-0123456789abcdef", "m-fedcba9876543210", b"\x01key", b"kv bytes", b"n" * 8
 

@@ -10,9 +10,11 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, FAULTED_OFFSET
 from kvtag_proto.pages import faulted as pages_faulted
-from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, FAULTED_OFFSET, Arena, Slot, remove_orphans
 from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.shm.arena import Arena, Slot
+from kvtag_store.backends.shm.files import remove_orphans
 
 from tests.net import wait_until
 

@@ -9,7 +9,8 @@ import random
 import tempfile
 import time
 
-from kvtag_store.backends.arena import EXTENT, PAGE, Arena, Slot
+from kvtag_proto.arena_layout import EXTENT
+from kvtag_store.backends.shm.arena import PAGE, Arena, Slot
 
 from tests.net import wait_until
 from tests.service.test_arena import assert_disjoint

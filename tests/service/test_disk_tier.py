@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from kvtag_store.backends.base import BlockAddress, BlockKey, KeyStatus, PutOutcome, TierUsage
-from kvtag_store.backends.disk import records
-from kvtag_store.backends.disk.errors import DiskDirError
-from kvtag_store.backends.disk.tier import DiskTier
 from kvtag_store.backends.memory import MemoryBackend
+from kvtag_store.backends.memory.disk import records
+from kvtag_store.backends.memory.disk.errors import DiskDirError
+from kvtag_store.backends.memory.disk.tier import DiskTier
 
 HIT, MISS, MISMATCH = KeyStatus.HIT, KeyStatus.MISS, KeyStatus.MODE_MISMATCH
 NS = "llama-8b/bf16"
@@ -647,7 +647,7 @@ def test_the_writer_lags_behind_puts_up_to_half_the_memory_then_writes(
     """Write-behind: puts that keep coming run alone until the unwritten values pass half the memory
     capacity; a drain, a pause or the lag's age bound writes them. Puts are made to look continuous
     (a long quiet period), so what starts the writer here is the bound under test, not timing."""
-    from kvtag_store.backends.disk import tier as tier_module
+    from kvtag_store.backends.memory.disk import writer as tier_module
 
     monkeypatch.setattr(tier_module, "QUIET_S", 60.0)
     monkeypatch.setattr(tier_module, "MAX_LAG_S", 60.0)

@@ -13,8 +13,8 @@ import pytest
 from kvtag.v1 import store_pb2_grpc
 from kvtag_proto import pages
 from kvtag_store.app.server import start_server
-from kvtag_store.backends.arena import Arena, arena_size
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.shm.arena import Arena, arena_size
 from kvtag_store.config import ServiceConfig
 from prometheus_client import generate_latest
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 KEY_SCHEMES = ("canonical", "vllm")
+# "kvtag": the bytes pass through the kvtag store. "MooncakeStoreConnector": the companion mode, vLLM's
+# own connector moves them and kvtag keeps the modes apart (companion.py).
+DATA_PATHS = ("kvtag", "MooncakeStoreConnector")
 LOOKAHEAD_CHOICES = ("auto", "off")
 
 
@@ -18,6 +21,7 @@ class ConnectorConfigError(ValueError):
 class KvtagConfig:
     endpoint: str = "127.0.0.1:50051"
     key_scheme: str = "canonical"
+    data_path: str = "kvtag"
     lookahead: str = "auto"
     audit: bool = False
     rpc_timeout_ms: int = 1000
@@ -43,6 +47,7 @@ class KvtagConfig:
 _FIELDS: dict[str, type] = {
     "endpoint": str,
     "key_scheme": str,
+    "data_path": str,
     "lookahead": str,
     "audit": bool,
     "rpc_timeout_ms": int,
@@ -99,6 +104,10 @@ def parse(extra: Mapping[str, Any] | None) -> KvtagConfig:
     if config.key_scheme not in KEY_SCHEMES:
         raise ConnectorConfigError(
             f"kv_connector_extra_config['key_scheme'] must be one of {KEY_SCHEMES}, got {config.key_scheme!r}"
+        )
+    if config.data_path not in DATA_PATHS:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config['data_path'] must be one of {DATA_PATHS}, got {config.data_path!r}"
         )
     if config.lookahead not in LOOKAHEAD_CHOICES:
         raise ConnectorConfigError(

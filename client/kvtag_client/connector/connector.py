@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from . import compat, conformance, lookahead, namespace
+from . import companion, compat, conformance, lookahead, namespace
 from .config import ConnectorConfigError, KvtagConfig, parse
 from .groups import classify
 from .logs import route_through_vllm
@@ -42,15 +42,25 @@ logger = logging.getLogger("kvtag.connector")
 class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]  # Any without vLLM installed
     """Stores and loads KV blocks (and Mamba boundary states) through a kvtag service."""
 
+    def __new__(cls, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> Any:
+        """`data_path: MooncakeStoreConnector` builds the companion (companion.py) instead."""
+        if cls is KvtagConnector and companion.wanted(vllm_config.kv_transfer_config):
+            return companion.CompanionConnector(vllm_config, role, kv_cache_config)
+        return super().__new__(cls)
+
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.34+ asks this while it builds its VllmConfig: kvtag opts into the core's lookahead
-        hashing unless `lookahead: off`. It never raises there: a config kvtag cannot parse answers
-        False, and the connector's own construction reports the error."""
+        hashing unless `lookahead: off` (in the companion mode, also only if the peer does). It never
+        raises there: a config kvtag cannot parse answers False, and the connector's construction
+        reports the error."""
         try:
-            return lookahead.wanted(parse(getattr(kv_transfer_config, "kv_connector_extra_config", None)))
+            opted = lookahead.wanted(parse(getattr(kv_transfer_config, "kv_connector_extra_config", None)))
         except ConnectorConfigError:
             return False
+        if opted and companion.wanted(kv_transfer_config):
+            return bool(companion.peer_answer("supports_lookahead_block_hashes", kv_transfer_config, False))
+        return opted
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -276,10 +286,15 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     @classmethod
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """0.34+: the worker copies blocks with torch ops in this process (device_copy), so any
-        allocation of the extensible KV cache works; nothing is registered with RDMA or exported."""
+        allocation of the extensible KV cache works; nothing is registered with RDMA or exported. The
+        companion answers as the peer does (it registers the KV cache with its transfer engine)."""
         from vllm.config import kv_transfer
 
         types: Any = kv_transfer  # KVCacheAccess exists from 0.34, the only series that asks
+        if companion.wanted(kv_transfer_config):
+            return companion.peer_answer(
+                "kv_cache_access", kv_transfer_config, types.KVCacheAccess.IN_PROCESS
+            )
         return types.KVCacheAccess.IN_PROCESS
 
     # ---- worker side ---------------------------------------------------------------------------
@@ -292,7 +307,10 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """True where vLLM calls unregister/restore_kv_caches around sleep (compat.sleep_hooks_called)."""
+        """True where vLLM calls unregister/restore_kv_caches around sleep (compat.sleep_hooks_called);
+        the companion answers as the peer does."""
+        if companion.wanted(kv_transfer_config):
+            return bool(companion.peer_answer("supports_sleep_mode", kv_transfer_config, False))
         return compat.sleep_hooks_called()
 
     def unregister_kv_caches(self) -> None:

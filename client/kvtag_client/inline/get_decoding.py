@@ -15,6 +15,8 @@ tests/service/test_codec_schema.py pins the fields it relies on.
 from __future__ import annotations
 
 from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.varint import Irregular
+from kvtag_proto.varint import decode_varint as _varint
 
 # A value: a read-only view into the received message (bytes from the fallback parser).
 Value = bytes | memoryview
@@ -22,29 +24,11 @@ Value = bytes | memoryview
 GetResults = list[tuple[int, Value]]
 
 
-class _Irregular(Exception):
-    pass
-
-
-def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise _Irregular
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
-
-
 def decode_get_response(data: bytes) -> GetResults:
     """GetResponse{results: [GetResult{status, value}]} as (status, value) pairs."""
     try:
         return _decode_fast(data)
-    except _Irregular:
+    except Irregular:
         message = pb.GetResponse.FromString(data)
         return [(r.status, r.value) for r in message.results]
 
@@ -56,28 +40,28 @@ def _decode_fast(data: bytes) -> GetResults:
     pos, end = 0, len(data)
     while pos < end:
         if data[pos] != 0x0A:  # only field 1 (results), length-delimited
-            raise _Irregular
+            raise Irregular
         length, pos = _varint(data, pos + 1, end)
         stop = pos + length
         if stop > end:
-            raise _Irregular
+            raise Irregular
         status, value = 0, view[0:0]
         while pos < stop:
             tag = data[pos]
             if tag == 0x08:
                 status, pos = _varint(data, pos + 1, stop)
                 if status > 0x7FFFFFFF:  # an enum is an int32: leave the odd cases to the generated parser
-                    raise _Irregular
+                    raise Irregular
             elif tag == 0x12:
                 size, pos = _varint(data, pos + 1, stop)
                 if pos + size > stop:
-                    raise _Irregular
+                    raise Irregular
                 value = view[pos : pos + size]
                 pos += size
             else:
-                raise _Irregular
+                raise Irregular
         if pos != stop:
-            raise _Irregular
+            raise Irregular
         append((status, value))
     return results
 

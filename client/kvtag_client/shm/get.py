@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Caller, Leases
-from kvtag_client.errors import CallFailed, Deadline
+from kvtag_client.deadlines import Deadline
+from kvtag_client.errors import CallFailed
 from kvtag_client.packed_keys import add_runs, pack_blocks
 from kvtag_client.shm.digest_thread import DigestThread
 from kvtag_client.shm.mapping import ArenaMapping, value_digest

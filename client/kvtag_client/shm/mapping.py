@@ -13,20 +13,17 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import struct
 import threading
 import time
 
 import xxhash
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import pages
+from kvtag_proto.arena_layout import EXTENT, FIRST_VALUE, SLOT_HEADER, read_generation
 
-_GENERATION = struct.Struct("<Q")
-# The service reserves arena pages in extents of this size; a slot's extents are all reserved, so
-# mapping them whole here never allocates memory the service did not.
-_EXTENT = 2 << 20
-# Values start after a 64-byte slot header; nothing a reference names lies below this.
-_FIRST_VALUE = 4096 + 64
+# The service reserves arena pages in extents of EXTENT; a slot's extents are all reserved, so mapping
+# them whole here never allocates memory the service did not.
+_EXTENT = EXTENT
 # How long the follower below keeps watching the arena's faulted word once it stops growing.
 _FOLLOW_IDLE_S = 5.0
 
@@ -43,7 +40,7 @@ class ArenaMapping:
     """The mapped arena of one offer. Thread-safe for disjoint slots (each call touches its own)."""
 
     def __init__(self, offer: pb.SharedMemoryOffer) -> None:
-        if not offer.path or offer.size_bytes <= _FIRST_VALUE:
+        if not offer.path or offer.size_bytes <= FIRST_VALUE:
             raise UnusableOffer("the offer names no arena file")
         try:
             fd = os.open(offer.path, os.O_RDWR | os.O_CLOEXEC)
@@ -100,10 +97,10 @@ class ArenaMapping:
     def slot(self, segment: str, offset: int, length: int) -> memoryview:
         """The value bytes a reference names; ValueError when it does not lie inside this arena."""
         end = offset + length
-        if segment != self.segment or offset < _FIRST_VALUE or end > self.size:
+        if segment != self.segment or offset < FIRST_VALUE or end > self.size:
             raise ValueError(f"reference outside the mapped arena: {segment} [{offset}, {end})")
         if self._populate:
-            self._map_extents(offset - 64, end)
+            self._map_extents(offset - SLOT_HEADER, end)
         return self.view[offset:end]
 
     def _map_extents(self, start: int, end: int) -> None:
@@ -123,8 +120,7 @@ class ArenaMapping:
 
     def current(self, offset: int, generation: int) -> bool:
         """True while the slot at `offset` still holds the generation its reference was issued for."""
-        held: int = _GENERATION.unpack_from(self._mmap, offset - 8)[0]
-        return held == generation
+        return read_generation(self._mmap, offset) == generation
 
 
 # Slots at least this large are copied into with the GIL released (copy_into), and a put or get of such

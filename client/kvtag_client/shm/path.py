@@ -10,8 +10,10 @@ import grpc
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_client.calls import Caller, Leases
-from kvtag_client.errors import CallFailed, Deadline, log
+from kvtag_client.deadlines import Deadline
+from kvtag_client.errors import CallFailed
 from kvtag_client.items import SizedItemFields
+from kvtag_client.logs import log
 from kvtag_client.shm.digest_thread import DigestThread
 from kvtag_client.shm.get import SharedGets
 from kvtag_client.shm.mapping import ArenaMapping, UnusableOffer

@@ -16,6 +16,8 @@ import struct
 
 # madvise(MADV_POPULATE_WRITE): map a range writable in one call instead of a fault per page (Linux 5.14).
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+# madvise(MADV_REMOVE): free a shared range and its backing store (a hole punched in a tmpfs file).
+MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 # The arena header's faulted word: bytes from the arena's start whose pages the service has reserved
 # and touched (u64 little-endian), written by the service after each extent, read by clients.
@@ -45,6 +47,12 @@ def populate_write(base: int, start: int, length: int) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+def remove_pages(base: int, start: int, length: int) -> bool:
+    """MADV_REMOVE over [start, start+length) of the shared mapping at `base` (page-aligned), with the
+    GIL released. False when the kernel refuses (the pages then stay, which is only memory kept)."""
+    return int(_madvise(base + start, length, MADV_REMOVE)) == 0
+
+
 def publish_faulted(memory: mmap.mmap, end: int) -> None:
     _FAULTED.pack_into(memory, FAULTED_OFFSET, end)
 
@@ -58,8 +66,10 @@ def faulted(memory: mmap.mmap | memoryview) -> int:
 __all__ = [
     "FAULTED_OFFSET",
     "MADV_POPULATE_WRITE",
+    "MADV_REMOVE",
     "base_address",
     "faulted",
     "populate_write",
     "publish_faulted",
+    "remove_pages",
 ]

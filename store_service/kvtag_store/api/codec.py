@@ -36,11 +36,12 @@ from operator import attrgetter
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
-from kvtag_proto.varint import encode_varint
+from kvtag_proto.varint import Irregular, encode_varint
+from kvtag_proto.varint import decode_varint as varint
 
 from kvtag_store import errors
 from kvtag_store.api import validation
-from kvtag_store.api.framing import Irregular, TooManyItems, count_items, skip, varint
+from kvtag_store.api.framing import TooManyItems, count_items, skip
 from kvtag_store.backends.base import BlockAddress, KeyStatus, ReadResult
 from kvtag_store.config import ServiceLimits
 

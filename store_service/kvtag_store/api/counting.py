@@ -60,6 +60,14 @@ class Counting:
         self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
         self._keys(self.metrics.get_keys, tally)
 
+    def reported(self, session: Session, usage: pb.UsageReport) -> None:
+        """A companion engine's own counts, from its heartbeat: its bytes move on another data path
+        (vLLM's MooncakeStoreConnector), so only the engine can count them."""
+        self.census.count(
+            session, hits=usage.hit_blocks, misses=usage.missed_blocks, stored=usage.stored_blocks
+        )
+        self._keys(self.metrics.lookup_keys, KeyTally(usage.hit_blocks, usage.missed_blocks, 0))
+
     def served(self, nbytes: int) -> None:
         self.metrics.get_bytes.inc(nbytes)
 

@@ -6,9 +6,8 @@ bytes with these before anything is built.
 
 from __future__ import annotations
 
-
-class Irregular(Exception):
-    """The bytes are not in the shape a hand-written path handles; use the generated parser."""
+from kvtag_proto.varint import Irregular
+from kvtag_proto.varint import decode_varint as varint
 
 
 class TooManyItems(Exception):
@@ -21,21 +20,6 @@ class TooManyItems(Exception):
 
 class Malformed(Exception):
     """The bytes do not frame as protobuf fields (the counting walk found no valid field boundary)."""
-
-
-def varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
-    """The varint at `pos` and the position after it."""
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise Irregular
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
 
 
 def skip(data: bytes | memoryview, pos: int, wire_type: int) -> int:

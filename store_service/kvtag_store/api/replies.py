@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
+from kvtag_proto.arena_layout import NONCE_LENGTH, NONCE_OFFSET
 
 from kvtag_store.api.outcomes import SETTLED
-from kvtag_store.backends.arena import NONCE_LENGTH, NONCE_OFFSET
 from kvtag_store.backends.base import KeyStatus, PutResult, SharedArena, SlotReference
 from kvtag_store.config import ServiceLimits
 

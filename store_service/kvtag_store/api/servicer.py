@@ -78,7 +78,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         value_limit = ValueLimit(min(backend.max_value_bytes, message_budget))
         self.pages = DiagnosePager(self.census, message_budget)
         self.max_value_bytes = value_limit.max_value_bytes
-        counting = Counting(self.census, metrics)
+        self.counting = counting = Counting(self.census, metrics)
         leases = Leases(self.sessions, backend)
         self.slots = Slots(
             self.capabilities.shared_memory,
@@ -160,7 +160,9 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
 
     @rpc(intake.HEARTBEAT)
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        self.desk.find(request.session_id, context, "Heartbeat")
+        session = self.desk.find(request.session_id, context, "Heartbeat")
+        if request.HasField("usage"):
+            self.counting.reported(session, request.usage)
         return pb.HeartbeatResponse(session_ttl_ms=self.config.session_ttl_ms)
 
     @rpc(intake.CLOSE_SESSION)

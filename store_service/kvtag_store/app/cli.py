@@ -25,8 +25,8 @@ from kvtag_proto.channels import ChannelConfigError, ChannelSecurity, open_chann
 from kvtag_store.app import terminal
 from kvtag_store.app.server import start_server
 from kvtag_store.backends.base import BackendStats, BlockBackend, CensusStore
-from kvtag_store.backends.disk.errors import DiskDirError
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
+from kvtag_store.backends.memory.disk.errors import DiskDirError
 from kvtag_store.backends.mooncake import options as mooncake_options
 from kvtag_store.config import (
     SERVE,

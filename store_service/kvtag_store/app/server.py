@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -27,14 +28,16 @@ from kvtag_store.api import codec
 from kvtag_store.api.servicer import KvStoreService
 from kvtag_store.backends.base import BlockBackend, CensusStore
 from kvtag_store.config import SERVE, ServiceConfig
+from kvtag_store.events.access import CurveAccess
 from kvtag_store.events.options import EventOptions
 from kvtag_store.events.publisher import EventPublisher
-from kvtag_store.events.service import ROUTE, sources_route, start_events
+from kvtag_store.events.service import ROUTE, start_events
+from kvtag_store.events.sources import event_sources
 from kvtag_store.observe import status_http
 from kvtag_store.observe.census_metrics import CensusCollector
 from kvtag_store.observe.history import DEFAULT_INTERVAL_S, HitRateHistory
 from kvtag_store.observe.metrics import StoreMetrics
-from kvtag_store.observe.status import StatusSource
+from kvtag_store.observe.status import StatusSource, View
 from kvtag_store.security.access import Access, AuthInterceptor
 from kvtag_store.security.options import Security
 
@@ -122,6 +125,27 @@ class RunningServer:
         return finished
 
 
+def event_sources_route(
+    publisher: EventPublisher | None, access: CurveAccess | None, report: Callable[[], pb.DiagnoseResponse]
+) -> status_http.JsonRoute:
+    """GET /kv_event_sources (kvtag_store.events.sources) behind the status gate: admins only (with
+    tokens; everyone without, as the status), 404 when events are off."""
+
+    def route(view: View) -> Any:
+        if publisher is None:
+            raise status_http.Denied(
+                404, "KV events are off; start the store with --kv-events-listen HOST:PORT"
+            )
+        if not view.store_wide:
+            raise status_http.Denied(
+                403,
+                "KV event sources are for admin tokens: the events name every tenant's namespaces",
+            )
+        return event_sources(publisher, access, report())
+
+    return route
+
+
 def start_server(
     backend: BlockBackend,
     census_store: CensusStore,
@@ -197,7 +221,7 @@ def start_server(
         )
     if metrics_listen:
         source = StatusSource(service.census.report, backend.stats, history, pages=service.pages)
-        routes = {ROUTE: sources_route(publisher, access, service.census.report)}
+        routes = {ROUTE: event_sources_route(publisher, access, service.census.report)}
         app = status_http.status_app(source, metrics.registry, status_gate, routes)
         try:
             metrics_http, metrics_thread = status_http.serve(metrics_listen, app)

@@ -320,20 +320,43 @@ class BlockEvents(Protocol):
     def removed(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None: ...
 
 
-def tell_stored(
-    events: BlockEvents | None,
-    namespace_id: str,
-    mode_id: str,
-    addresses: Sequence[BlockAddress],
-    results: Sequence[PutResult],
-    tier: str,
-) -> None:
-    """Tell `events` (if any) of the addresses whose put was STORED, for backends that learn it from
-    results (Mooncake)."""
-    if events is not None:
-        for address, result in zip(addresses, results, strict=True):
-            if result.outcome is PutOutcome.STORED:
-                events.stored(namespace_id, mode_id, address, tier)
+class EventRelay:
+    """The BlockEvents a backend hands its parts when it builds them: it tells the observer that
+    `observe_blocks` (Observable) names, and nothing before there is one."""
+
+    __slots__ = ("observer",)
+
+    def __init__(self) -> None:
+        self.observer: BlockEvents | None = None
+
+    def stored(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None:
+        if self.observer is not None:
+            self.observer.stored(namespace_id, mode_id, address, tier)
+
+    def removed(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None:
+        if self.observer is not None:
+            self.observer.removed(namespace_id, mode_id, address, tier)
+
+    def removed_each(self, namespace_id: str, held: Iterable[tuple[str, BlockAddress]], tier: str) -> None:
+        """`removed` for each (mode_id, address) of `held`, which is not read without an observer."""
+        if self.observer is not None:
+            for mode_id, address in held:
+                self.observer.removed(namespace_id, mode_id, address, tier)
+
+    def stored_results(
+        self,
+        namespace_id: str,
+        mode_id: str,
+        addresses: Iterable[BlockAddress],
+        results: Iterable[PutResult],
+        tier: str,
+    ) -> None:
+        """`stored` for the addresses whose put was STORED, for backends that learn it from results
+        (Mooncake)."""
+        if self.observer is not None:
+            for address, result in zip(addresses, results, strict=True):
+                if result.outcome is PutOutcome.STORED:
+                    self.observer.stored(namespace_id, mode_id, address, tier)
 
 
 @runtime_checkable

@@ -1,11 +1,11 @@
 """KV events in a running server: the publisher built from the flags, told by the backend, counted in
-the server's registry, and its discovery route."""
+the server's registry. The discovery document (sources.py) is served at ROUTE by the status port's
+HTTP server; app/server.py puts it behind the status gate."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from kvtag.v1 import store_pb2 as pb
 from prometheus_client import CollectorRegistry
@@ -14,9 +14,7 @@ from kvtag_store.backends.base import BlockBackend, Capabilities
 from kvtag_store.events.access import CurveAccess
 from kvtag_store.events.options import EventOptions
 from kvtag_store.events.publisher import EventPublisher
-from kvtag_store.events.sources import census_block_sizes, event_sources
-from kvtag_store.observe.status import View
-from kvtag_store.observe.status_http import Denied, JsonRoute
+from kvtag_store.events.sources import census_block_sizes
 
 log = logging.getLogger("kvtag_store.events")
 
@@ -43,22 +41,3 @@ def start_events(
     publisher.register(registry)
     publisher.start()
     return publisher, access
-
-
-def sources_route(
-    publisher: EventPublisher | None, access: CurveAccess | None, report: Callable[[], pb.DiagnoseResponse]
-) -> JsonRoute:
-    """GET /kv_event_sources: admins only (with tokens; everyone without, as the status), 404 when
-    events are off."""
-
-    def route(view: View) -> Any:
-        if publisher is None:
-            raise Denied(404, "KV events are off; start the store with --kv-events-listen HOST:PORT")
-        if not view.store_wide:
-            raise Denied(
-                403,
-                "KV event sources are for admin tokens: the events name every tenant's namespaces",
-            )
-        return event_sources(publisher, access, report())
-
-    return route

@@ -131,6 +131,6 @@ def engine_record(session: Session, *, live: bool) -> pb.EngineRecord:
         last_seen_unix_ms=session.last_seen_unix_ms,
     )
     # Not labels= in the constructor: protobuf's upb keeps a few of the objects a map keyword makes
-    # (~70 per 50,000 records, measured), each pinning an interpreter arena after the rest are gone.
+    # (docs/benchmarks.md), each pinning an interpreter arena after the rest are gone.
     record.labels.update(session.labels)
     return record

@@ -16,8 +16,8 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 # Records the census keeps store-wide, across every log: at most this many, and this many bytes as
-# encoded. A gone engine keeps up to 16 labels of 256 characters, ~4.3 KB encoded and ~2.6 times that
-# in memory (4 MiB of them measured 10.3 MiB), so 8,192 such records alone would hold ~85 MiB; most
+# encoded. A record in memory costs a few times its encoding (docs/benchmarks.md), and a gone engine
+# keeps up to 16 labels of 256 characters, so the count alone would not bound the memory; most
 # records are a few hundred bytes, so the byte bound only bites for long labels.
 MAX_RECORDS = 8192
 MAX_RECORD_BYTES = 4 << 20
@@ -27,9 +27,9 @@ class RecordLog(Generic[T]):
     """One namespace's (or mode's) records, newest last.
 
     The records sit in a plain list, and only while there are any: most logs never get one (a
-    namespace has three per mode: engines, refusals, disagreements), and a deque costs ~600 bytes
-    from its first record (5,000 namespaces opened once held 10.9 MiB of empty deques). A log holds
-    at most `limit` (16 or 32) records, so dropping the oldest from a list's front is cheap.
+    namespace has three per mode: engines, refusals, disagreements), and a deque costs hundreds of
+    bytes from its first record (docs/benchmarks.md). A log holds at most `limit` (16 or 32)
+    records, so dropping the oldest from a list's front is cheap.
     """
 
     __slots__ = ("_items", "_skipped", "dead", "forgotten", "limit")

@@ -338,10 +338,24 @@ class GetReference(_message.Message):
     def __init__(self, status: _Optional[_Union[KeyStatus, str]] = ..., slot: _Optional[_Union[SharedMemoryRef, _Mapping]] = ..., xxh3_64: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "usage")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    usage: UsageReport
+    def __init__(self, session_id: _Optional[str] = ..., usage: _Optional[_Union[UsageReport, _Mapping]] = ...) -> None: ...
+
+class UsageReport(_message.Message):
+    __slots__ = ("lookups", "hit_blocks", "missed_blocks", "stored_blocks")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hit_blocks: int
+    missed_blocks: int
+    stored_blocks: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., missed_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("session_ttl_ms",)

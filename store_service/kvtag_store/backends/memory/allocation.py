@@ -13,24 +13,29 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable
 
-from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import BlockAddress, PutOutcome, PutResult
-from kvtag_store.backends.memory.entries import ALREADY_PRESENT, Entry, Namespace, conflict
+from kvtag_store.backends.memory.entries import ALREADY_PRESENT, Namespace, conflict
 from kvtag_store.backends.memory.pools import Pool, StoreKey
+from kvtag_store.backends.shm.arena import Arena, Slot
+
+# The disk tier's spill_evicted: (namespace_id, address, mode_id, digest, the value's bytes).
+Spill = Callable[[str, BlockAddress, str, int, memoryview], None]
 
 
 class Allocator:
     """Hands out arena slots for the store's namespaces, evicting least recently used blocks for room."""
 
-    def __init__(self, namespaces: dict[str, Namespace], pools: list[Pool]) -> None:
-        """`namespaces` and `pools` are the backend's own tables, shared, not copied."""
+    def __init__(
+        self, namespaces: dict[str, Namespace], pools: list[Pool], spill: Spill | None = None
+    ) -> None:
+        """`namespaces` and `pools` are the backend's own tables, shared, not copied. `spill`: the disk
+        tier's hook for an evicted entry not yet on disk (it queues a copy), when the tier is on."""
         self._namespaces = namespaces
         self._pools = pools
         # Every slot handed out gets the next generation: a reader tells a reused slot by it.
         self.generations = itertools.count(1)
         self.evictions: Counter[str | None] = Counter()  # by tenant (None: not yet known)
-        # The disk tier's hook for an evicted entry not yet on disk (it queues a copy), when the tier is on.
-        self.spill: Callable[[Namespace, BlockAddress, Entry], None] | None = None
+        self._spill = spill
 
     def claim(self, ns: Namespace, mode_id: str, address: BlockAddress, size: int) -> Slot | PutResult:
         """The known outcome of storing `size` bytes at `address`, or a slot for them (counted in
@@ -45,7 +50,7 @@ class Allocator:
             pool.lru.move_to_end((ns.namespace_id, address))
             return ALREADY_PRESENT
         if ns.disk:
-            held = ns.on_disk(mode_id, address)
+            held = ns.disk.mode_holding(mode_id, address)
             if held is not None:
                 if held != mode_id:
                     return PutResult(PutOutcome.CONFLICT, f"key is held by mode {held}")
@@ -114,8 +119,8 @@ class Allocator:
 
     def _evict(self, ns: Namespace, address: BlockAddress) -> None:
         entry = ns.entries[address]
-        if entry.disk is None and self.spill is not None:
-            self.spill(ns, address, entry)
+        if entry.disk is None and self._spill is not None:
+            self._spill(ns.namespace_id, address, entry.mode_id, entry.checksum, entry.view())
         ns.remove(address, entry)
         self.evictions[ns.tenant] += 1
 

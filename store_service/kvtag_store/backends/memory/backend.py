@@ -6,54 +6,46 @@ small and bounded by the key count). Slots reserved for a shared-memory Put
 and not yet committed count against the capacity too (`reserved_bytes`), so
 committed plus reserved never exceeds it.
 
-Values live in arenas (kvtag_store.backends.arena), one per tenant: shared-memory files
+Values live in arenas (kvtag_store.backends.shm.arena), one per tenant: shared-memory files
 a same-host client maps when the service has a directory for them (--shm-dir),
 anonymous memory otherwise. Either way a value is written into a slot, checksummed,
 and inserted under the lock only once complete, so no reader ever sees half a value.
 
-Which arena a tenant's values go to is the caller's to say (assign_tenant's `arena`: the service
-passes its pool's shared one for tenants that are only labels a client picked, their own for tenants a
-tokens file names), except that --tenant-quota and --shm-group tenants always get their own: the
-operator named them. So the arenas are bounded by what the operator listed, never by what clients
-invent, and no tenant is ever refused for want of one. An arena is freed (unmapped, its file removed)
-once no namespace uses it and it holds no slot, unless it is a pool's up-front prefaulted one or a
---tenant-quota tenant's.
+Which pool and which arena each namespace's values go to, and when an arena is freed, is tenancy.py's.
 
 Tenant quotas split the capacity into pools (pools.py), each evicted LRU on its own
 (allocation.py). This facade owns the lock and the tables; the modules beside it do
-the work under it: entries.py (a namespace's blocks, pins and key index),
-reservations.py (the two-phase put) and reads.py (verified Gets).
+the work under it: entries.py (a namespace's blocks, pins and key index), tenancy.py (namespaces'
+pools and arenas), reservations.py (the two-phase put) and reads.py (verified Gets).
 
 With a disk dir (disk_dir), every stored value is also written to the disk tier in the background
-(kvtag_store.backends.disk.tier has the policy and what a crash loses): Lookups answer memory misses
-from its index, a Get reads a disk-only value back into a slot first, and a restart on the same dir
-rebuilds the namespaces from its records.
+(disk/writer.py has the policy and what a crash loses): Lookups answer memory misses from its index,
+a Get reads a disk-only value back into a slot first (promotion.py), and a restart on the same dir
+rebuilds the namespaces from its records. The disk tier sees this tier only through tiering.py.
+
+KV events (observe_blocks): the parts get the backend's EventRelay when they are built; the entries
+tell it of blocks entering and leaving memory, the disk tier of records written and dropped.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvtag_store.backends.arena import Arena, Slot, arena_size, remove_orphans, shared_memory_room
 from kvtag_store.backends.base import (
-    TIER_DISK,
-    TIER_MEMORY,
     BackendStats,
     BlockAddress,
     BlockEvents,
-    BlockKey,
+    EventRelay,
     KeyStatus,
     Payload,
     PutResult,
     ReadResult,
     SlotReference,
 )
-from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_address
-from kvtag_store.backends.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.allocation import Allocator
+from kvtag_store.backends.memory.disk.tier import SEGMENT_BYTES, DiskTier
 from kvtag_store.backends.memory.entries import (
     KEY_INDEX_LAG,
     MISS_BYTE,
@@ -64,32 +56,19 @@ from kvtag_store.backends.memory.entries import (
     checksum,
 )
 from kvtag_store.backends.memory.pools import Pool
+from kvtag_store.backends.memory.promotion import Promoter
 from kvtag_store.backends.memory.reads import Reader
 from kvtag_store.backends.memory.reservations import Reservations
+from kvtag_store.backends.memory.tenancy import Tenancy
+from kvtag_store.backends.memory.tiering import MemoryPort
 from kvtag_store.backends.memory.usage import blocks_held, disk_modes, modes_in_memory_and_disk, usage_report
-
-log = logging.getLogger("kvtag_store.backends.memory.backend")
-
-
-# A slot a shared-memory Get read a disk record into around a full memory, with its arena and pool.
-AroundSlot = tuple[Arena, Slot, Pool]
-
-
-def _buffer(_ns: Namespace, size: int) -> tuple[bytearray, memoryview]:
-    """Where an inline Get reads a disk record around a full memory: a buffer of its own, as large as
-    the value it replies with."""
-    buffer = bytearray(size)
-    return buffer, memoryview(buffer)
-
+from kvtag_store.backends.shm import Arena, Slot
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
 # Items stored per lock acquisition in put_many, so a huge batch does not hold the lock long
 # enough to stall the Lookups waiting behind it.
 _PUT_CHUNK = 1024
-# The arena of namespaces no session has named a tenant for (a direct backend caller's), and of the
-# shared pool's tenants when the caller says so.
-SHARED_ARENA = ""
 
 
 class MemoryBackend:
@@ -136,45 +115,48 @@ class MemoryBackend:
                 f"{capacity_bytes}; lower them or raise --capacity"
             )
         self._capacity = capacity_bytes
-        self._shm_dir = shm_dir
-        self._shm_groups = dict(shm_groups or {})
-        if shm_dir is not None:
-            remove_orphans(shm_dir)
         self._lock = threading.Lock()
         self._namespaces: dict[str, Namespace] = {}
-        self._arenas: dict[str, Arena] = {}  # tenant -> arena
         self._shared = Pool(capacity_bytes - sum(quotas.values()), None)
         self._tenant_pools = {tenant: Pool(quota, tenant) for tenant, quota in quotas.items()}
         self._pools = [self._shared, *self._tenant_pools.values()]
-        self._mode_numbers: dict[str, int] = {}  # mode_id -> its number in the key indexes
-        self._key_index_lag = key_index_lag
         if prefault == "lazy":
             for pool in self._pools:
                 pool.eager_left = 0
-        self._allocator = Allocator(self._namespaces, self._pools)
-        self._reservations = Reservations(self._lock, self._namespaces, self._ns, self._allocator)
-        self._reader = Reader(self._lock, self._namespaces)
-        self._events: BlockEvents | None = None  # KV events (observe_blocks), told by every namespace
+        self._events = EventRelay()
+        self._tenancy = Tenancy(
+            self._namespaces,
+            capacity_bytes,
+            self._shared,
+            self._tenant_pools,
+            shm_dir,
+            dict(shm_groups or {}),
+            key_index_lag,
+            self._events,
+        )
         self._disk: DiskTier | None = None
         if disk_dir is not None:
-            self._disk = DiskTier(
+            self._disk = self._tenancy.disk = DiskTier(
                 disk_dir,
                 disk_capacity,
-                lock=self._lock,
-                namespaces=self._namespaces,
-                mode_numbers=self._mode_numbers,
+                MemoryPort(self._lock, self._namespaces),
                 memory_capacity=capacity_bytes,
-                pools=self._pools,
-                tenant_pools=self._tenant_pools,
-                shared=self._shared,
-                groups=self._shm_groups,
-                namespace=self._restored_namespace,
+                pool_capacities={None: self._shared.capacity} | dict[str | None, int](quotas),
+                groups=dict(shm_groups or {}),
                 segment_bytes=disk_segment_bytes,
+                events=self._events,
             )
-            self._allocator.spill = self._disk.spill_evicted
+        self._allocator = Allocator(
+            self._namespaces, self._pools, self._disk.spill_evicted if self._disk is not None else None
+        )
+        self._reservations = Reservations(self._lock, self._namespaces, self._tenancy.ns, self._allocator)
+        self._reader = Reader(self._lock, self._namespaces)
+        self._promoter: Promoter | None = None
+        if self._disk is not None:
+            self._promoter = Promoter(self._lock, self._namespaces, self._allocator, self._reader, self._disk)
             with self._lock:
-                for ns in self._namespaces.values():
-                    ns.spill = self._disk.queue
+                for namespace_id, (tenant, _) in self._disk.restored.items():
+                    self._tenancy.restore(namespace_id, tenant)
 
     @property
     def max_value_bytes(self) -> int:
@@ -187,66 +169,25 @@ class MemoryBackend:
         blocks live in that tenant's pool, and in `arena`'s arena (None: the tenant's own; a quota or
         --shm-group tenant always has its own). Blocks stored before the call move to the pool; they
         stay in the arena they were written to (only a direct backend caller stores before)."""
-        pool = self._tenant_pools.get(tenant, self._shared)
-        key = self._arena_key(tenant, arena)
         with self._lock:
-            ns = self._namespaces.get(namespace_id)
-            if ns is None:
-                self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
-                return
-            ns.tenant = tenant
-            ns.touched = time.monotonic()
-            if not ns.entries:
-                ns.arena = self._arena(key)
-            if ns.pool is pool:
-                return
-            old = ns.pool
-            for address, entry in ns.entries.items():
-                del old.lru[(namespace_id, address)]
-                pool.lru[(namespace_id, address)] = None
-                old.used -= entry.slot.length
-                pool.used += entry.slot.length
-            ns.pool = pool
+            self._tenancy.assign(namespace_id, tenant, arena)
 
     def admit_tenant(self, tenant: str, arena: str | None = None) -> None:
         """Make the arena a session of the tenant will use (as assign_tenant picks it) ready before the
         session opens, and mark it used now, so a sweep does not free it in between."""
-        key = self._arena_key(tenant, arena)
         with self._lock:
-            self._arena(key).last_used = time.monotonic()
-
-    def _arena_key(self, tenant: str, arena: str | None) -> str:
-        """Whose arena the tenant's values go to: its own when the operator named it (a quota or an
-        --shm-group) or the caller asked for none other, else `arena`."""
-        if arena is None or tenant in self._tenant_pools or tenant in self._shm_groups:
-            return tenant
-        return arena
+            self._tenancy.arena(self._tenancy.arena_key(tenant, arena)).last_used = time.monotonic()
 
     def forget_namespaces(self, namespace_ids: Sequence[str], idle_since: float) -> int:
         """Drop the namespaces (the census forgot them) that hold nothing and no session named since
         `idle_since`, then free every arena no namespace uses: not a quota tenant's or a pool's up-front
         prefaulted one, no slot in use, not admitted since `idle_since`. Returns the bytes unmapped."""
         with self._lock:
-            reserved = self._reservations.namespaces()
-            for namespace_id in namespace_ids:
-                ns = self._namespaces.get(namespace_id)
-                if ns is not None and ns.idle(idle_since) and namespace_id not in reserved:
-                    del self._namespaces[namespace_id]
-            used = {id(ns.arena) for ns in self._namespaces.values()}
-            idle = [
-                (tenant, arena)
-                for tenant, arena in self._arenas.items()
-                if id(arena) not in used
-                and not arena.slots_in_use
-                and not arena.eager
-                and tenant not in self._tenant_pools
-                and arena.last_used <= idle_since
-            ]
-            for tenant, _ in idle:
-                del self._arenas[tenant]
-                self._allocator.evictions.pop(tenant, None)  # its per-tenant series goes with it
+            idle = self._tenancy.forget(namespace_ids, idle_since, self._reservations.namespaces())
+            for arena in idle:
+                self._allocator.evictions.pop(arena.tenant, None)  # its per-tenant series goes with it
         freed = 0
-        for _, arena in idle:
+        for arena in idle:
             freed += arena.faulted_bytes
             arena.close()
         return freed
@@ -254,12 +195,12 @@ class MemoryBackend:
     def arenas(self) -> int:
         """Arenas held, of every tenant."""
         with self._lock:
-            return len(self._arenas)
+            return len(self._tenancy.arenas)
 
     def prefault_progress(self) -> tuple[int, int]:
         """(bytes touched, bytes to touch) of the up-front prefault, over every arena that has one."""
         with self._lock:
-            eager = [arena for arena in self._arenas.values() if arena.eager]
+            eager = [arena for arena in self._tenancy.arenas.values() if arena.eager]
         return sum(min(a.faulted_bytes, a.eager) for a in eager), sum(a.eager for a in eager)
 
     def namespace_count(self) -> int:
@@ -270,86 +211,19 @@ class MemoryBackend:
     def shared_arena(self, namespace_id: str) -> Arena | None:
         """The shared-memory arena holding the namespace's values, or None (anonymous memory)."""
         with self._lock:
-            arena = self._ns(namespace_id).arena
+            arena = self._tenancy.ns(namespace_id).arena
         return arena if arena.shared else None
 
-    def _arena(self, tenant: str) -> Arena:
-        """The tenant's arena, created on first use. Caller holds the lock."""
-        arena = self._arenas.get(tenant)
-        if arena is not None:
-            return arena
-        size = arena_size(self._capacity)
-        pool = self._tenant_pools.get(tenant, self._shared)
-        eager, pool.eager_left = pool.eager_left, 0
-        if self._shm_dir is not None:
-            try:
-                free = shared_memory_room(self._shm_dir)
-                if free < self._capacity + (16 << 20):
-                    raise OSError(
-                        f"it has {free} bytes free and the store's capacity is {self._capacity} bytes "
-                        "(give the container a larger /dev/shm, e.g. --shm-size, or lower --capacity)"
-                    )
-                arena = Arena(tenant, size, self._shm_dir, group=self._shm_groups.get(tenant), eager=eager)
-            except OSError as exc:
-                log.warning(
-                    "cannot create a shared-memory arena in %s (%s); values stay in process memory and "
-                    "clients use the inline path",
-                    self._shm_dir,
-                    exc,
-                )
-        if arena is None:
-            arena = Arena(tenant, size, None, eager=eager)
-        self._arenas[tenant] = arena
-        return arena
-
-    def _new_namespace(self, namespace_id: str, pool: Pool, tenant: str | None, arena_key: str) -> Namespace:
-        """Caller holds the lock."""
-        arena = self._arena(arena_key)
-        ns = Namespace(namespace_id, pool, tenant, arena, self._mode_numbers, self._key_index_lag)
-        ns.events = self._events
-        disk = getattr(self, "_disk", None)  # None while the disk tier itself is being built
-        if disk is not None and not disk.degraded:
-            ns.spill = disk.queue
-        return ns
-
-    def _restored_namespace(self, namespace_id: str, tenant: str | None) -> Namespace:
-        """A namespace the disk tier found records of at start-up, in its tenant's pool, and in its
-        pool's arena until a session names its tenant (the records hold no memory yet, so a restart
-        makes no arena per tenant it finds). Caller holds the lock."""
-        pool = self._tenant_pools.get(tenant, self._shared) if tenant is not None else self._shared
-        key = self._arena_key(tenant, SHARED_ARENA) if tenant is not None else SHARED_ARENA
-        ns = self._namespaces[namespace_id] = self._new_namespace(namespace_id, pool, tenant, key)
-        return ns
-
     def observe_blocks(self, events: BlockEvents) -> None:
-        """KV events (Observable): every namespace tells `events` of the blocks entering and leaving
-        memory and the disk tier; the blocks held already (a restarted disk tier's) are told first."""
+        """KV events (Observable): the blocks held first (a restarted disk tier's), then each change."""
         with self._lock:
-            self._events = events
-            modes = {number: mode_id for mode_id, number in self._mode_numbers.items()}
-            for ns in self._namespaces.values():
-                ns.events = events
-                for address, entry in ns.entries.items():
-                    events.stored(ns.namespace_id, entry.mode_id, address, TIER_MEMORY)
-                for key, packed in ns.disk.items():
-                    group, raw = index_address(key)
-                    mode_id = modes[packed & MAX_MODE_NUMBER]
-                    events.stored(ns.namespace_id, mode_id, (group, BlockKey(raw)), TIER_DISK)
+            self._tenancy.announce(events)
+            self._events.observer = events
 
     def restored(self) -> dict[str, tuple[str | None, frozenset[str]]]:
         """namespace_id -> (tenant, mode_ids stored) of the records the disk tier found at start-up
         (empty without one): the census seeds itself from it."""
         return dict(self._disk.restored) if self._disk is not None else {}
-
-    def _ns(self, namespace_id: str) -> Namespace:
-        """The namespace; created in the shared pool and arena if no session named its tenant. Caller
-        holds the lock."""
-        ns = self._namespaces.get(namespace_id)
-        if ns is None:
-            ns = self._namespaces[namespace_id] = self._new_namespace(
-                namespace_id, self._shared, None, SHARED_ARENA
-            )
-        return ns
 
     # -- writes -------------------------------------------------------------
 
@@ -368,7 +242,7 @@ class MemoryBackend:
         for start in range(0, len(items), _PUT_CHUNK):
             chunk = items[start : start + _PUT_CHUNK]
             with self._lock:
-                ns = self._ns(namespace_id)
+                ns = self._tenancy.ns(namespace_id)
                 granted = [claim(ns, mode_id, a, len(v)) for a, v in chunk]
                 ns.writers += 1  # its slots are in no table until inserted: not forgotten meanwhile
             view = ns.arena.view
@@ -435,7 +309,7 @@ class MemoryBackend:
                 return [_MISS] * len(addresses)
             statuses, _ = ns.find(mode_id, addresses, touch=False)
             if ns.disk and _MISS in statuses:
-                ns.disk_statuses(mode_id, addresses, statuses)
+                ns.disk.statuses(mode_id, addresses, statuses)
         return statuses
 
     def lookup_and_pin(
@@ -450,7 +324,7 @@ class MemoryBackend:
             statuses, found = ns.find(mode_id, addresses, touch=False)
             pinned: Sequence[BlockAddress] = []
             if ns.disk and _MISS in statuses:
-                ns.disk_statuses(mode_id, addresses, statuses)
+                ns.disk.statuses(mode_id, addresses, statuses)
                 pinned = LeaseHold(a for a, s in zip(addresses, statuses, strict=True) if s is _HIT)
                 ns.holds.update(pinned)
             elif statuses.count(_HIT):
@@ -481,17 +355,9 @@ class MemoryBackend:
         a failing value is dropped, counted in corrupted_dropped and answered as a MISS. Values held on
         disk only are read back into memory first, or into a private buffer when memory has no room
         (a failing record is dropped and answered as a MISS)."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get(namespace_id, mode_id, addresses)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
-        try:
-            results = self._reader.get(namespace_id, mode_id, addresses)
-        finally:
-            self.unpin(namespace_id, back.held)
-        for i, address in enumerate(addresses):
-            if results[i].status is not _HIT and address in back.around:
-                results[i] = ReadResult(_HIT, bytes(back.around[address][0]))
-        return results
+        return self._promoter.get(namespace_id, mode_id, addresses)
 
     def get_views(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress]
@@ -499,17 +365,9 @@ class MemoryBackend:
         """get() without the copy: each verified hit's value is a view of its slot, pinned (returned)
         until the caller unpins it, so an inline Get reply is built straight from the arena. A value
         read around a full memory is a view of its own buffer (nothing to unpin)."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get_views(namespace_id, mode_id, addresses)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, _buffer)
-        try:
-            results, pinned = self._reader.get_views(namespace_id, mode_id, addresses, back.trusted)
-        finally:
-            self.unpin(namespace_id, back.held)
-        for i, address in enumerate(addresses):
-            if results[i].status is not _HIT and address in back.around:
-                results[i] = ReadResult(_HIT, memoryview(back.around[address][0]))
-        return results, pinned
+        return self._promoter.get_views(namespace_id, mode_id, addresses)
 
     def get_references(
         self, namespace_id: str, mode_id: str, addresses: Sequence[BlockAddress], verify: bool = True
@@ -521,57 +379,9 @@ class MemoryBackend:
         straight into the slot the reader copies from: a new entry's, or when memory has no room, a
         slot of the arena outside the pool's bytes that the lease holds (ReadPins), at most the pool's
         capacity of them at once."""
-        if self._disk is None:
+        if self._promoter is None:
             return self._reader.get_references(namespace_id, mode_id, addresses, verify)
-        back = self._disk.read_back(namespace_id, mode_id, addresses, self._allocate, self._around_slot)
-        try:
-            statuses, references, pinned = self._reader.get_references(
-                namespace_id, mode_id, addresses, verify, back.trusted
-            )
-        finally:
-            self.unpin(namespace_id, back.held)
-        self._free_around(back.failed)
-        if not back.around:
-            return statuses, references, pinned
-        used: dict[int, AroundSlot] = {}
-        for i, address in enumerate(addresses):
-            if statuses[i] is _HIT or address not in back.around:
-                continue
-            (arena, slot, pool), digest = back.around[address]
-            statuses[i] = _HIT
-            references[i] = SlotReference(
-                arena.segment, slot.offset, slot.length, slot.generation, None if verify else digest
-            )
-            used[slot.generation] = (arena, slot, pool)
-        # Served from memory after all (another Get promoted it meanwhile): free it now.
-        self._free_around([t for t, _ in back.around.values() if t[1].generation not in used])
-        return statuses, references, ReadPins(pinned, list(used.values()))
-
-    def _allocate(self, ns: Namespace, size: int) -> Slot | PutResult:
-        """A slot for a value read back from disk (the disk tier calls it under the lock)."""
-        return self._allocator.allocate(ns, size)
-
-    def _around_slot(self, ns: Namespace, size: int) -> tuple[AroundSlot, memoryview] | None:
-        """A slot of the namespace's arena for a value a shared-memory Get reads around a full memory,
-        outside the pool's used and reserved bytes, up to the pool's capacity of them (the arena has
-        room for twice it); None past that (the value is a MISS for this Get). Caller holds the lock."""
-        pool = ns.pool
-        if pool.around + size > pool.capacity:
-            return None
-        slot = ns.arena.allocate(size, next(self._allocator.generations))
-        if slot is None:
-            return None
-        pool.around += size
-        arena = ns.arena
-        return (arena, slot, pool), arena.view[slot.offset : slot.offset + slot.length]
-
-    def _free_around(self, around: Sequence[AroundSlot]) -> None:
-        if not around:
-            return
-        with self._lock:
-            for arena, slot, pool in around:
-                arena.free(slot)
-                pool.around -= slot.length
+        return self._promoter.get_references(namespace_id, mode_id, addresses, verify)
 
     # -- leases -------------------------------------------------------------
 
@@ -587,9 +397,9 @@ class MemoryBackend:
             ns = self._namespaces.get(namespace_id)
             if ns is not None:
                 ns.unpin(addresses)
-        if isinstance(addresses, ReadPins):
+        if isinstance(addresses, ReadPins) and self._promoter is not None:
             around, addresses.around = addresses.around, []  # a lease released twice frees them once
-            self._free_around(around)
+            self._promoter.free_around(around)
 
     # -- reporting ----------------------------------------------------------
 
@@ -627,7 +437,7 @@ class MemoryBackend:
             if ns is None:
                 return frozenset()
             modes, on_disk = modes_in_memory_and_disk(ns)
-            numbers = dict(self._mode_numbers) if on_disk else {}
+            numbers = dict(ns.disk.modes) if on_disk else {}
         return frozenset(modes | disk_modes(on_disk, numbers)) if on_disk else frozenset(modes)
 
     def disk_tier(self) -> DiskTier | None:
@@ -638,7 +448,7 @@ class MemoryBackend:
         """Slots held by values and reservations, across arenas: equals keys + reservations when
         nothing leaked."""
         with self._lock:
-            return sum(arena.slots_in_use for arena in self._arenas.values())
+            return sum(arena.slots_in_use for arena in self._tenancy.arenas.values())
 
     def close(self) -> None:
         """With the disk tier: first every value still only in memory is queued and written, the writer
@@ -646,13 +456,7 @@ class MemoryBackend:
         disk, self._disk = self._disk, None
         if disk is not None:
             with self._lock:
-                if not disk.degraded:
-                    for ns in self._namespaces.values():
-                        for address, entry in ns.entries.items():
-                            if entry.disk is None:
-                                disk.queue.append(
-                                    (ns.namespace_id, address, entry.slot.generation, entry.slot.length)
-                                )
+                self._tenancy.queue_unwritten()
             disk.close()
         with self._lock:
             self._namespaces.clear()
@@ -661,6 +465,7 @@ class MemoryBackend:
                 pool.lru.clear()
                 pool.used = 0
                 pool.reserved = 0
-            arenas, self._arenas = list(self._arenas.values()), {}
+            arenas = list(self._tenancy.arenas.values())
+            self._tenancy.arenas.clear()
         for arena in arenas:
             arena.close()

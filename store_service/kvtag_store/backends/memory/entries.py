@@ -13,21 +13,21 @@ from itertools import repeat
 from operator import itemgetter
 
 import numpy as np
-import xxhash
 
 from kvtag_store.backends import key_index
-from kvtag_store.backends.arena import Arena, Slot
 from kvtag_store.backends.base import (
     TIER_MEMORY,
     BlockAddress,
-    BlockEvents,
     BlockKey,
+    EventRelay,
     KeyStatus,
     PutOutcome,
     PutResult,
 )
-from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_key
+from kvtag_store.backends.memory.disk.index import DiskIndex
+from kvtag_store.backends.memory.disk.records import value_digest
 from kvtag_store.backends.memory.pools import Pool
+from kvtag_store.backends.shm.arena import Arena, Slot
 
 _HIT = KeyStatus.HIT
 _MISS = KeyStatus.MISS
@@ -40,6 +40,10 @@ HIT_BYTE = bytes([_HIT])
 MISS_BYTE = bytes([_MISS])
 _NO_MODE = key_index.NOT_FOUND
 _UNKNOWN_MODE = -2  # a mode that stored nothing yet: matches no index entry, not even NOT_FOUND
+# The disk index of a namespace without a disk tier: always empty (only the tier fills the ones it owns).
+NO_DISK = DiskIndex({})
+# The events of a namespace built without its backend's (tells no one).
+NO_EVENTS = EventRelay()
 # The key index catches up with stores and removals at the next packed Lookup, or after this many
 # changes: the bound on how long a write or a scheduler's Lookup waits under the lock for it.
 KEY_INDEX_LAG = 4096
@@ -49,8 +53,8 @@ KEY_INDEX_LAG = 4096
 # (docs/benchmarks.md has the figures and the A/B) and releases the GIL like it.
 # A corrupted value passes unnoticed with probability 2**-64 (CRC-32 catches every single-bit flip
 # for certain, any other damage with 2**-32). The disk tier stores this digest in each record's
-# header: changing the function means a new disk format version.
-checksum = xxhash.xxh3_64_intdigest
+# header, so it is defined there (disk.records.value_digest): changing it means a new disk format.
+checksum = value_digest
 
 
 class Entry:
@@ -156,7 +160,6 @@ class Namespace:
         "arena",
         "changed",
         "disk",
-        "disk_hit_count",
         "entries",
         "events",
         "holds",
@@ -183,9 +186,15 @@ class Namespace:
         arena: Arena,
         mode_numbers: dict[str, int],
         key_index_lag: int = KEY_INDEX_LAG,
+        disk: DiskIndex = NO_DISK,
+        spill: deque[tuple[object, ...]] | None = None,
+        events: EventRelay = NO_EVENTS,
     ) -> None:
         """`mode_numbers`: mode_id -> its number in the key indexes, one table shared by the store's
-        namespaces. `key_index_lag`: changes the key index may trail `entries` by."""
+        namespaces. `key_index_lag`: changes the key index may trail `entries` by. `disk`: the
+        namespace's index in the disk tier, `spill`: the disk writer's queue (disk.writer.WriteQueue),
+        each insert appends its reference (namespace_id, address, generation, length) to it; both only
+        with the disk tier on. `events`: told of every block entering or leaving memory (KV events)."""
         self.namespace_id = namespace_id
         self.pool = pool
         self.tenant = tenant  # None until a session of the namespace names it (assign_tenant)
@@ -207,19 +216,14 @@ class Namespace:
         # Packed Lookup leases, by identity: pinned and unpinned whole, in O(1).
         self.leases: dict[int, PinnedRuns] = {}
         self.used_bytes = 0
-        # The disk tier's index of this namespace: index_key(group, key) -> one packed location int
-        # (no object per key beyond the key bytes), and the keys Lookups found only there.
-        self.disk: dict[bytes, int] = {}
-        self.disk_hit_count = 0
-        # The disk writer's queue (disk.tier.WriteQueue), when the disk tier is on: each insert appends
-        # its reference (namespace_id, address, generation, length).
-        self.spill: deque[tuple[object, ...]] | None = None
+        # The disk tier's index of this namespace (owned by the tier; read here under the lock).
+        self.disk = disk
+        self.spill = spill
+        self.events = events
         # When a session last named the namespace (time.monotonic()), and puts between taking their
         # slots and inserting them: forget_namespaces keeps a namespace either says is in use.
         self.touched = time.monotonic()
         self.writers = 0
-        # Told of every block entering or leaving memory or the disk tier (KV events), when on.
-        self.events: BlockEvents | None = None
 
     def idle(self, since: float) -> bool:
         """Holds nothing (blocks, pins, leases, puts in flight) and untouched since `since`."""
@@ -279,8 +283,7 @@ class Namespace:
             return ALREADY_PRESENT
         self.entries[address] = Entry(mode_id, self.arena, slot, digest, disk)
         self.mode_blocks[mode_id] += 1
-        if self.events is not None:
-            self.events.stored(self.namespace_id, mode_id, address, TIER_MEMORY)
+        self.events.stored(self.namespace_id, mode_id, address, TIER_MEMORY)
         if disk is None and self.spill is not None:
             self.spill.append((self.namespace_id, address, slot.generation, slot.length))
         self.note_changed(address)
@@ -291,8 +294,7 @@ class Namespace:
 
     def remove(self, address: BlockAddress, entry: Entry) -> None:
         del self.entries[address]
-        if self.events is not None:
-            self.events.removed(self.namespace_id, entry.mode_id, address, TIER_MEMORY)
+        self.events.removed(self.namespace_id, entry.mode_id, address, TIER_MEMORY)
         left = self.mode_blocks[entry.mode_id] - 1
         if left > 0:
             self.mode_blocks[entry.mode_id] = left
@@ -327,52 +329,6 @@ class Namespace:
             deque(map(self.pool.lru.move_to_end, zip(repeat(self.namespace_id), hits)), maxlen=0)
         return statuses, found
 
-    def disk_statuses(
-        self, mode_id: str, addresses: Sequence[BlockAddress], statuses: list[KeyStatus]
-    ) -> None:
-        """Answer the memory MISSes the disk tier holds: HIT in their own mode, MODE_MISMATCH in another
-        (no bytes either way here). Only called when `disk` is not empty."""
-        disk = self.disk
-        mine = self.mode_numbers.get(mode_id, _UNKNOWN_MODE)
-        hits = 0
-        for i, status in enumerate(statuses):
-            if status is _MISS:
-                address = addresses[i]
-                packed = disk.get(index_key(address[0], address[1]))
-                if packed is not None:
-                    if packed & MAX_MODE_NUMBER == mine:
-                        statuses[i] = _HIT
-                        hits += 1
-                    else:
-                        statuses[i] = _MISMATCH
-        self.disk_hit_count += hits
-
-    def on_disk(self, mode_id: str, address: BlockAddress) -> str | None:
-        """The mode holding `address` on disk (and not in memory), or None."""
-        packed = self.disk.get(index_key(address[0], address[1])) if self.disk else None
-        if packed is None:
-            return None
-        number = packed & MAX_MODE_NUMBER
-        return next((m for m, n in self.mode_numbers.items() if n == number), mode_id)
-
-    def _disk_part(self, mine: int, group: int, packed: bytes, length: int, part: bytes) -> bytes:
-        """A packed run's status bytes with its MISSes answered from the disk index."""
-        disk = self.disk
-        prefix = group.to_bytes(4, "little")
-        statuses = bytearray(part)
-        hits = 0
-        for i in range(len(statuses)):
-            if statuses[i] == _MISS:
-                found = disk.get(prefix + packed[i * length : (i + 1) * length])
-                if found is not None:
-                    if found & MAX_MODE_NUMBER == mine:
-                        statuses[i] = _HIT
-                        hits += 1
-                    else:
-                        statuses[i] = _MISMATCH
-        self.disk_hit_count += hits
-        return bytes(statuses)
-
     # -- the key index --------------------------------------------------------
 
     def lookup_packed_and_pin(
@@ -390,7 +346,7 @@ class Namespace:
             if index is None or not len(index):
                 part = MISS_BYTE * (len(packed) // length)
                 if on_disk:
-                    part = self._disk_part(mine, group, packed, length, part)
+                    part = self.disk.packed_statuses(mode_id, group, packed, length, part)
                     if HIT_BYTE in part:
                         pinned.append((group, packed, length, part if part.count(_HIT) < len(part) else None))
                 parts.append(part)
@@ -404,7 +360,7 @@ class Namespace:
             statuses = np.where(hit, int(_HIT), np.where(modes == _NO_MODE, int(_MISS), int(_MISMATCH)))
             part = statuses.astype(np.uint8).tobytes()
             if on_disk:
-                part = self._disk_part(mine, group, packed, length, part)
+                part = self.disk.packed_statuses(mode_id, group, packed, length, part)
                 if part.count(_HIT) == len(part):
                     parts.append(part)
                     pinned.append((group, packed, length, None))

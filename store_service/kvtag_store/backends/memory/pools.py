@@ -21,7 +21,6 @@ class Pool:
     __slots__ = (
         "around",
         "capacity",
-        "disk_used",
         "eager_left",
         "lru",
         "reserved",
@@ -39,7 +38,6 @@ class Pool:
         self.used = 0
         self.reserved = 0  # bytes of slots reserved and not yet inserted
         self.spare = 0  # of which spare slots, reserved for no key yet
-        self.disk_used = 0  # bytes of this pool's records in the disk tier (within its share of it)
         # Bytes of slots shared-memory Gets read disk records into around a full memory, held by their
         # leases, outside `used` and `reserved`; at most `capacity` (the arena has room for twice it).
         self.around = 0

@@ -10,10 +10,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-from kvtag_store.backends.arena import Slot
 from kvtag_store.backends.base import NO_RESERVATION, BlockAddress, PutOutcome, PutResult, SlotReference
 from kvtag_store.backends.memory.allocation import Allocator
 from kvtag_store.backends.memory.entries import STORED, Namespace, checksum
+from kvtag_store.backends.shm.arena import Slot
 
 # Spare slots (CommitSlotsRequest.spare_lengths) of a pool stay within this share of its capacity:
 # they save a put a round trip, and cost the store this much room at most.

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from kvtag_store.backends.base import BackendStats, TenantUsage, TierUsage
-from kvtag_store.backends.disk.records import MAX_MODE_NUMBER, index_key
+from kvtag_store.backends.memory.disk.records import MAX_MODE_NUMBER
 from kvtag_store.backends.memory.entries import Namespace
 from kvtag_store.backends.memory.pools import Pool
 
@@ -55,7 +55,7 @@ def usage_report(
             1
             for ns in namespaces.values()
             for address in ns.pinned_addresses()
-            if address in ns.entries or (ns.disk and index_key(address[0], address[1]) in ns.disk)
+            if address in ns.entries or ns.disk.holds(address)
         ),
         corrupted_dropped=corrupted,
         per_namespace={

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     TIER_MOONCAKE,
     BackendStats,
     BlockAddress,
     BlockEvents,
+    EventRelay,
     KeyStatus,
     Payload,
     PutResult,
     ReadResult,
     SlotReference,
-    tell_stored,
 )
 from kvtag_store.backends.mooncake.client import (
     MooncakeClient,
@@ -39,6 +38,7 @@ from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.shared_memory import SharedMemoryHalf
 from kvtag_store.backends.mooncake.staging import StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.shm.arena import Arena
 
 # Re-exported: callers name the client, its settings and connect beside the backend.
 __all__ = ["MooncakeBackend", "MooncakeClient", "MooncakeSettings", "connect", "read_master_metrics"]
@@ -60,10 +60,10 @@ class MooncakeBackend:
             if settings.shm_dir
             else None
         )
-        self._shared = SharedMemoryHalf(self._cluster, self._reads, self._writes, staging)
-        self._closers: list[Callable[[], None]] = []
         # KV events (observe_blocks): what this replica stores. Mooncake's own evictions are not seen.
-        self._events: BlockEvents | None = None
+        self._events = EventRelay()
+        self._shared = SharedMemoryHalf(self._cluster, self._reads, self._writes, staging, self._events)
+        self._closers: list[Callable[[], None]] = []
 
     @property
     def max_value_bytes(self) -> int:
@@ -85,12 +85,11 @@ class MooncakeBackend:
     def observe_blocks(self, events: BlockEvents) -> None:
         """KV events (Observable): blocks this replica stores from now on. Nothing is told of blocks
         stored before, by other replicas, or evicted by Mooncake (its master tells no one)."""
-        self._events = events
-        self._shared.events = events
+        self._events.observer = events
 
     def put(self, namespace_id: str, mode_id: str, address: BlockAddress, value: Payload) -> PutResult:
         result = self._writes.put(namespace_id, mode_id, address, value)
-        tell_stored(self._events, namespace_id, mode_id, [address], [result], TIER_MOONCAKE)
+        self._events.stored_results(namespace_id, mode_id, [address], [result], TIER_MOONCAKE)
         return result
 
     def put_many(
@@ -99,7 +98,7 @@ class MooncakeBackend:
         """`put` for a batch: one Mooncake put_batch and one header read-back per chunk instead of a
         round trip pair per item. Per-item truth still comes from each item's stored header."""
         results = self._writes.put_many(namespace_id, mode_id, items)
-        tell_stored(self._events, namespace_id, mode_id, [a for a, _ in items], results, TIER_MOONCAKE)
+        self._events.stored_results(namespace_id, mode_id, (a for a, _ in items), results, TIER_MOONCAKE)
         return results
 
     # -- reads --------------------------------------------------------------

@@ -21,8 +21,8 @@ from urllib.parse import quote
 import xxhash
 
 MAGIC = b"KVTG"
-# Values: 2 since the mode is in the key and the payload digest is XXH3-64 (version 1 had a
-# CRC-32 and lived under kvtag/v1). Census records keep framing version 1.
+# Values: the mode is in the key and the payload digest is XXH3-64 (docs/mooncake.md has the
+# versions before). Census records keep framing version 1.
 FORMAT_VERSION = 2
 RECORD_VERSION = 1
 # magic, version, header length, mode_id (ASCII, NUL-padded), namespace digest, group,
@@ -31,8 +31,8 @@ _HEADER = struct.Struct(">4sHH32s16sI16sQ8sQI")
 MAX_MODE_ID_BYTES = 32
 HEADER_BYTES = _HEADER.size
 _CRC_OFFSET = HEADER_BYTES - 4
-# Blocks live under v2 (the mode in the key); census records keep their v1 keys. Blocks an older
-# version wrote under kvtag/v1/<namespace>/g<group>/<key> are never looked at (docs/mooncake.md).
+# Blocks live under v2 (the mode in the key); census records keep their v1 keys. Blocks under
+# kvtag/v1/<namespace>/g<group>/<key> are never looked at (docs/mooncake.md).
 KEY_PREFIX = "kvtag/v2"
 CENSUS_PREFIX = "kvtag/v1"
 
@@ -74,11 +74,6 @@ def directory_key(namespace_id: str, slot: int) -> str:
     """Slot `slot` of a namespace's mode directory (mooncake.modes). Its second-last part is
     "modes", never g<digits>, so it is never a block's key."""
     return f"{KEY_PREFIX}/{namespace_id}/modes/{slot}"
-
-
-def legacy_object_key(namespace_id: str, group: int, key: bytes) -> str:
-    """Where a version before the mode-in-key layout kept a block (ignored now; tests write there)."""
-    return f"{CENSUS_PREFIX}/{namespace_id}/g{group}/{key.hex()}"
 
 
 def _mode_part(mode_id: str) -> str:

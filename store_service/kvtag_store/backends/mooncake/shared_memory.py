@@ -13,17 +13,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from kvtag_store.backends.arena import Arena
 from kvtag_store.backends.base import (
     NO_RESERVATION,
     TIER_MOONCAKE,
     BlockAddress,
-    BlockEvents,
+    EventRelay,
     KeyStatus,
     PutOutcome,
     PutResult,
     SlotReference,
-    tell_stored,
 )
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
@@ -31,6 +29,7 @@ from kvtag_store.backends.mooncake.format import HEADER_BYTES, FormatError, deco
 from kvtag_store.backends.mooncake.reads import Reads
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
 from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.shm.arena import Arena
 
 # Spare slots of a staging arena stay within this share of it: the rest is for reads and reservations.
 SPARE_SHARE = 4
@@ -55,7 +54,10 @@ _NO_STAGING = PutResult(PutOutcome.REJECTED, "no shared-memory staging (--shm-di
 class SharedMemoryHalf:
     """Staging slots for same-host clients, and the reservations that hold them until a commit."""
 
-    def __init__(self, cluster: Cluster, reads: Reads, writes: Writes, staging: Staging | None) -> None:
+    def __init__(
+        self, cluster: Cluster, reads: Reads, writes: Writes, staging: Staging | None, events: EventRelay
+    ) -> None:
+        """`events`: told of the blocks commits store (KV events)."""
         self._cluster = cluster
         self._reads = reads
         self._writes = writes
@@ -64,7 +66,7 @@ class SharedMemoryHalf:
         self._reservations: dict[int, tuple[str, BlockAddress | None, Staged]] = {}
         self._reserved_lock = threading.Lock()
         self._spare_bytes = 0
-        self.events: BlockEvents | None = None  # KV events: the blocks commits store
+        self._events = events
 
     def assign_tenant(self, namespace_id: str, tenant: str, arena: str | None = None) -> None:
         if self._staging is not None:
@@ -184,8 +186,8 @@ class SharedMemoryHalf:
                 self._staging.free(refused + [t[1] for t in taken if t is not None])
         final = [r if r is not None else NO_RESERVATION for r in results]
         kept = [(t[0], r) for t, r in zip(taken, final, strict=True) if t is not None]
-        tell_stored(
-            self.events, namespace_id, mode_id, [a for a, _ in kept], [r for _, r in kept], TIER_MOONCAKE
+        self._events.stored_results(
+            namespace_id, mode_id, (a for a, _ in kept), (r for _, r in kept), TIER_MOONCAKE
         )
         stored = sum(
             t[1].length

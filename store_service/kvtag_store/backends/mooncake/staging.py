@@ -22,8 +22,7 @@ slot is handed out (a Get) or the slot is freed (a put). No client holds a
 reference to a slot in that window; a stale one (of a slot freed and reused)
 already sees a generation that is not its own, and header bytes equal to it
 would still fail the digest check of its copy. One range instead of two is one
-transfer slice per object instead of two: 0.04-0.05 ms less per object over TCP
-(in process, 512 x 64 KiB: 72-75 ms against 95-98 ms, load 3.8), nothing at 1 MiB.
+transfer slice per object instead of two (docs/benchmarks.md has what that saves).
 
 One arena per tenant, as with the memory backend, so a client never maps
 another tenant's values.
@@ -35,21 +34,21 @@ import contextlib
 import ctypes
 import itertools
 import logging
-import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvtag_store.backends.arena import ARENA_HEADER, EXTENT, Arena, Slot, remove_orphans, shared_memory_room
+from kvtag_proto.arena_layout import ARENA_HEADER, EXTENT, write_generation
+
 from kvtag_store.backends.base import BlockAddress, BlockKey
 from kvtag_store.backends.mooncake.client import MooncakeClient
 from kvtag_store.backends.mooncake.errors import describe
 from kvtag_store.backends.mooncake.format import HEADER_BYTES
+from kvtag_store.backends.shm import Arena, Slot, remove_orphans, shared_memory_room
 
 log = logging.getLogger(__name__)
 
 PREFIX = 128
-_GENERATION = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +76,7 @@ class Staged:
     def restore_generation(self) -> None:
         """Put the generation word back over the header's last 8 bytes (see the module docstring):
         once the header has been checked (a Get) or sent (a put)."""
-        _GENERATION.pack_into(self.arena.view, self.payload_offset - 8, self.generation)
+        write_generation(self.arena.view, self.payload_offset, self.generation)
 
     def header(self) -> memoryview:
         return self.arena.view[self.header_offset : self.header_offset + HEADER_BYTES]
@@ -176,7 +175,7 @@ class Staging:
                 if slot is None:
                     out.append(None)
                     continue
-                _GENERATION.pack_into(arena.view, slot.offset + PREFIX - 8, generation)
+                write_generation(arena.view, slot.offset + PREFIX, generation)
                 self._held.add(generation)
                 self.in_use_bytes += slot.span
                 out.append(Staged(arena, slot, base, length, generation))

@@ -29,6 +29,10 @@ MAX_NAME = 0xFFFF
 MAX_META = HEADER_BYTES + 4 * 1024
 
 _digest = xxhash.xxh3_64_intdigest
+# The digest of a value: the memory tier's checksum (memory.entries.checksum is this function), stored
+# in each record's header as the memory tier committed it, so nothing is hashed twice at write time.
+# Changing it means a new FORMAT_VERSION.
+value_digest = xxhash.xxh3_64_intdigest
 
 # Location bit layout: mode number (16) | value length (32) | meta length (16) | offset (40) | segment.
 _MODE_BITS, _VALUE_BITS, _META_BITS, _OFFSET_BITS = 16, 32, 16, 40

@@ -16,7 +16,7 @@ import hashlib
 import os
 import re
 
-from kvtag_store.backends.disk.errors import DiskDirError
+from kvtag_store.backends.memory.disk.errors import DiskDirError
 
 LOCK_NAME = "kvtag-disk.lock"
 FORMAT_NAME = "format"
