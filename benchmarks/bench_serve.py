@@ -6,6 +6,8 @@ Systems (the same run, the same Mooncake cluster):
   kvtag-mem    kvtag's default store (memory backend)
   kvtag-mc     kvtag-store --backend mooncake on the cluster
   peer         vLLM's MooncakeStoreConnector on the cluster (MOONCAKE_CONFIG_PATH, wheel in the engine's env)
+  peer+kvtag   the companion: KvtagConnector with data_path MooncakeStoreConnector, the peer on the same
+               cluster with kvtag's mode-prefixed keys, admitted and counted by the kvtag-mem store
 
 Scenarios: cross-engine (a producer server fills the store, a fresh consumer server serves the same
 load), capacity (a local KV cache smaller than the working set), spec (EAGLE: kvtag lookahead keys,
@@ -45,7 +47,7 @@ from serve.servers import Server, ServerSpec, kvtag_transfer, peer_transfer  # n
 from tests.net import free_port  # noqa: E402
 from tests.store_process import StoreProcess  # noqa: E402
 
-SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer")
+SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer", "peer+kvtag")
 SAVE_SETTLE_S = 5.0  # after a producer's last response, before SIGTERM: the async saves drain
 CLOSED = ("inf", 2)  # closed loop: as fast as 2 in-flight requests allow
 
@@ -114,14 +116,16 @@ class Bench:
         )
         if system == "none":
             return ServerSpec(engine, speculative=speculative)
-        if system == "peer":
+        if system in ("peer", "peer+kvtag"):
             assert self.cluster is not None
             config = self.cluster.peer_config(self.work / f"mooncake-{engine}.json")
+            transfer = peer_transfer(20000 + self.seq)
+            if system == "peer+kvtag":
+                # The same peer settings, under KvtagConnector: one key added, kv_connector changed.
+                companion = {"data_path": "MooncakeStoreConnector", **transfer["kv_connector_extra_config"]}
+                transfer = kvtag_transfer(self.stores["kvtag-mem"].endpoint, engine, **companion, **kvtag)
             return ServerSpec(
-                engine,
-                peer_transfer(20000 + self.seq),
-                env={"MOONCAKE_CONFIG_PATH": str(config)},
-                speculative=speculative,
+                engine, transfer, env={"MOONCAKE_CONFIG_PATH": str(config)}, speculative=speculative
             )
         extra = {**self.args.kvtag_config, **kvtag}
         return ServerSpec(
@@ -269,14 +273,17 @@ class Bench:
             ("kvtag-mem", "eagle-legacy", {"lookahead": "off"}),
             ("kvtag-mc", "eagle-lookahead", {}),
             ("peer", "eagle", {}),
+            ("peer+kvtag", "eagle", {}),
         ]
         consumers = [
             ("spec-eagle", "none", "eagle", True),
             ("spec-eagle", "kvtag-mem", "eagle-lookahead", True),
             ("spec-eagle", "kvtag-mem", "eagle-legacy", True),
             ("spec-eagle", "peer", "eagle", True),
+            ("spec-eagle", "peer+kvtag", "eagle", True),
             ("mismatch", "kvtag-mc", "eagle-producer/spec-off-consumer", False),
             ("mismatch", "peer", "eagle-producer/spec-off-consumer", False),
+            ("mismatch", "peer+kvtag", "eagle-producer/spec-off-consumer", False),
         ]
         settings = {f"{s}/{v}": kv for s, v, kv in producers}
         with self.stores_for("spec-eagle"):
@@ -333,9 +340,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="cross-engine only, all four systems, a small load"
-    )
+    parser.add_argument("--quick", action="store_true", help="cross-engine only, every system, a small load")
     parser.add_argument(
         "--requests", type=int, default=None, help="requests per run (default: 8 quick, 24 full)"
     )

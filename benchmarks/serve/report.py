@@ -24,7 +24,8 @@ SUMMARY = (
 SAMPLES = ("ttfts", "input_lens", "output_lens", "generated_texts", "errors")
 # What an operator is told about a refused or split mode: kvtag's connector log lines.
 TOLD = re.compile(
-    r"refused engine|MODE_SPLIT|MODE_REFUSED|mode split|hashes in mode|key_scheme:", re.IGNORECASE
+    r"refused engine|MODE_SPLIT|LAYOUT_SPLIT|MODE_REFUSED|mode split|hashes in mode|key_scheme:",
+    re.IGNORECASE,
 )
 
 
@@ -170,7 +171,13 @@ def plot(document: dict[str, Any], path: Path) -> None:
 
     grouped = groups(document)
     labels = [f"{s}\n{w.split('-')[0]}\n{r}" for s, w, r in grouped]
-    colours = {"none": "tab:blue", "kvtag-mem": "tab:orange", "kvtag-mc": "tab:green", "peer": "tab:red"}
+    colours = {
+        "none": "tab:blue",
+        "kvtag-mem": "tab:orange",
+        "kvtag-mc": "tab:green",
+        "peer": "tab:red",
+        "peer+kvtag": "tab:purple",
+    }
     fig, axes = plt.subplots(1, 2, figsize=(16, 6))
     for axis, field, unit in (
         (axes[0], "median_ttft_ms", "TTFT p50 (ms)"),

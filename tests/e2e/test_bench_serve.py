@@ -1,9 +1,9 @@
 """`make bench-serve --quick`'s plumbing at two requests: real Mooncake processes, kvtag stores and
 `vllm serve` processes in one private network namespace, driven by `vllm bench serve`.
 
-Every system (none, kvtag memory, kvtag over Mooncake, vLLM's MooncakeStoreConnector) must produce a
-consumer run with vLLM's counters and outputs equal to the cold run's (the `none` server); each kvtag
-consumer must hit and complete every request. No timing is asserted: the machine is shared.
+Every system (none, kvtag memory, kvtag over Mooncake, vLLM's MooncakeStoreConnector, and the peer as
+kvtag's companion) must produce a consumer run with vLLM's counters and outputs equal to the cold run's
+(the `none` server); each kvtag consumer, the companion included, must hit and complete every request. No timing is asserted: the machine is shared.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.store_process import REPO
 # Seven server starts on a shared 2-core machine: minutes each under load.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
-SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer")
+SYSTEMS = ("none", "kvtag-mem", "kvtag-mc", "peer", "peer+kvtag")
 REQUESTS = 2
 
 
@@ -77,3 +77,7 @@ def test_quick_bench_serve_runs_every_system_with_counters_and_cold_outputs(tmp_
             "differing_indexes": [],
             "failed": 0,
         }
+    # The companion moves bytes on the peer's own path: it hits what the bare peer hits.
+    peer, companion = consumers["peer"], consumers["peer+kvtag"]
+    if peer["completed"] == REQUESTS:
+        assert companion["external_hit_tokens"] == peer["external_hit_tokens"], (companion, peer)

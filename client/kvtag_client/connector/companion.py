@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from . import compat, conformance, namespace
 from .config import KvtagConfig, parse
 from .logs import route_through_vllm
-from .store_session import open_client
+from .store_session import open_client, recompute_failed_loads
 
 logger = logging.getLogger("kvtag.connector")
 
@@ -91,6 +91,7 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         self.config: KvtagConfig = dataclasses.replace(
             parse(self._kv_transfer_config.kv_connector_extra_config), key_scheme="vllm"
         )
+        recompute_failed_loads(self.config, self._kv_transfer_config)
         geometry = namespace.resolve_geometry(vllm_config, kv_cache_config)
         self.block_size = geometry.block_size
         # The peer's keys are the core's block hashes: the mode is the core's (L from the core on 0.34+).

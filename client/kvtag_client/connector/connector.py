@@ -20,7 +20,7 @@ from .logs import route_through_vllm
 from .metadata import KvtagConnectorMetadata
 from .scheduler_side import SchedulerSide
 from .stats import KvtagStats, StatsRecorder
-from .store_session import open_client
+from .store_session import open_client, recompute_failed_loads
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -91,16 +91,7 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         self.eagle_block_drop = compat.eagle_block_drop(vllm_config)
         self._siblings = compat.multi_connector_siblings()
         self.lookahead = lookahead.decide(vllm_config, self.config, self._siblings)
-        if (
-            self.config.recompute_on_load_failure
-            and self._kv_transfer_config.kv_load_failure_policy == "fail"
-        ):
-            # A block kvtag cannot load is a cache miss, not a failed request: the scheduler reads
-            # this policy right after constructing its connector.
-            self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            logger.info(
-                "kvtag: kv_load_failure_policy set to 'recompute' (blocks that fail to load are recomputed)"
-            )
+        recompute_failed_loads(self.config, self._kv_transfer_config)
         logger.info(
             "kvtag connector (%s): lookahead %d (%s)", role.name, self.lookahead.tokens, self.lookahead.reason
         )

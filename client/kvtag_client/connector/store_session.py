@@ -7,7 +7,7 @@ import atexit
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtag.v1 import store_pb2 as pb
 
@@ -63,6 +63,17 @@ def open_client(
         mode.key_scheme,
     )
     return client
+
+
+def recompute_failed_loads(config: KvtagConfig, kv_transfer_config: Any) -> None:
+    """A block that cannot be loaded is a cache miss, not a failed request: vLLM's policy becomes
+    'recompute' (unless recompute_on_load_failure is off). The scheduler reads it right after
+    constructing its connector, on either data path."""
+    if config.recompute_on_load_failure and kv_transfer_config.kv_load_failure_policy == "fail":
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+        logger.info(
+            "kvtag: kv_load_failure_policy set to 'recompute' (blocks that fail to load are recomputed)"
+        )
 
 
 # ---- ending sessions with the process -------------------------------------------------------------
