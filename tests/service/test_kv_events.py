@@ -4,6 +4,7 @@ who may subscribe (docs/kv-events.md)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import urllib.error
@@ -19,7 +20,7 @@ import zmq
 from kvtag.v1 import store_pb2 as pb
 from kvtag.v1 import store_pb2_grpc
 from kvtag_store.app.server import RunningServer, start_server
-from kvtag_store.backends.base import BlockKey
+from kvtag_store.backends.base import BlockKey, KeyStatus
 from kvtag_store.backends.memory import MemoryBackend, MemoryCensus
 from kvtag_store.config import ServiceConfig
 from kvtag_store.events import wire
@@ -589,3 +590,81 @@ def test_the_disk_lru_tells_each_record_it_drops_as_removed_from_disk(tmp_path: 
     assert removed_from_disk[0] in keys[:40], "the least recently hit segments go first"
     in_memory = {k for kind, _, _, k, tier in recorder.told if tier == "memory" and kind == "stored"}
     assert in_memory == set(keys)
+
+
+def _disk_backend(disk: Path) -> MemoryBackend:
+    return MemoryBackend(1 << 20, prefault="lazy", disk_dir=str(disk), disk_capacity=16 << 20)
+
+
+def _restarted_with_records(disk: Path, keys: list[bytes]) -> tuple[MemoryBackend, Recorder]:
+    """A backend that stored `keys` and closed (so they are on disk), restarted on its dir and observed."""
+    first = _disk_backend(disk)
+    for key in keys:
+        first.put("ns", "mode-a", (0, BlockKey(key)), key * 512)
+    first.close()
+    again, recorder = _disk_backend(disk), Recorder()
+    again.observe_blocks(recorder)
+    return again, recorder
+
+
+def test_a_restarted_disk_tier_is_told_first_and_a_record_failing_its_checks_is_removed(
+    tmp_path: Path,
+) -> None:
+    from kvtag_store.backends.memory.disk import records
+
+    keys = [f"chk-{i}".encode() for i in range(4)]
+    again, recorder = _restarted_with_records(tmp_path / "disk", keys)
+    try:
+        assert recorder.told == [("stored", "ns", "mode-a", key, "disk") for key in keys]
+        (segment,) = sorted((tmp_path / "disk").glob("tenants/*/*.seg"))
+        data = bytearray(segment.read_bytes())
+        offset = 0
+        for _ in range(2):  # the third record's first value byte
+            record = records.decode_meta(bytes(data[offset : offset + records.MAX_META]))
+            offset += record.meta_length + record.value_length
+        offset += records.decode_meta(bytes(data[offset : offset + records.MAX_META])).meta_length
+        data[offset] ^= 0x01
+        segment.write_bytes(bytes(data))
+        del recorder.told[:]
+        (result,) = again.get("ns", "mode-a", [(0, BlockKey(keys[2]))])
+        assert result.status is KeyStatus.MISS
+        assert recorder.told == [("removed", "ns", "mode-a", keys[2], "disk")]
+    finally:
+        again.close()
+
+
+def test_a_disk_tier_turned_off_removes_every_record_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [f"off-{i}".encode() for i in range(3)]
+    again, recorder = _restarted_with_records(tmp_path / "disk", keys)
+    try:
+        del recorder.told[:]
+
+        def failing_read(*_: object) -> int:  # a disk that fails reads: the tier turns itself off
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "preadv", failing_read)
+        (result,) = again.get("ns", "mode-a", [(0, BlockKey(keys[0]))])
+        monkeypatch.undo()
+        assert result.status is KeyStatus.MISS
+        assert sorted(recorder.told) == sorted(("removed", "ns", "mode-a", key, "disk") for key in keys)
+    finally:
+        again.close()
+
+
+def test_a_memory_value_failing_its_checksum_is_removed_from_memory() -> None:
+    from .faults import corrupt_memory_value
+
+    backend, recorder = MemoryBackend(1 << 20, prefault="lazy"), Recorder()
+    backend.observe_blocks(recorder)
+    backend.put_many(
+        "ns", "mode-a", [((0, BlockKey(b"bad")), b"x" * VALUE), ((0, BlockKey(b"good")), b"y" * VALUE)]
+    )
+    corrupt_memory_value(backend, "ns", (0, BlockKey(b"bad")))
+    assert [r.status for r in backend.get("ns", "mode-a", [(0, BlockKey(b"bad"))])] == [KeyStatus.MISS]
+    assert recorder.told == [
+        ("stored", "ns", "mode-a", b"bad", "memory"),
+        ("stored", "ns", "mode-a", b"good", "memory"),
+        ("removed", "ns", "mode-a", b"bad", "memory"),
+    ]
