@@ -3,7 +3,8 @@
 
 Every system (none, kvtag memory, kvtag over Mooncake, vLLM's MooncakeStoreConnector, and the peer as
 kvtag's companion) must produce a consumer run with vLLM's counters and outputs equal to the cold run's
-(the `none` server); each kvtag consumer, the companion included, must hit and complete every request. No timing is asserted: the machine is shared.
+(the `none` server); each kvtag consumer, the companion included, must hit and complete every
+request. No timing is asserted: the machine is shared.
 """
 
 from __future__ import annotations
