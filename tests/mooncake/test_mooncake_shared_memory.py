@@ -482,3 +482,28 @@ def test_one_round_trip_puts_are_byte_exact_while_the_cluster_evicts(tmp_path: P
         client.close()
         replica.stop()
         own.stop()
+
+
+def test_a_replica_tells_each_block_it_stores_by_put_or_commit_as_mooncake(staged: MooncakeBackend) -> None:
+    """KV events (docs/kv-events.md): what this replica stored, once; nothing for a block already there."""
+    told: list[tuple[str, str, str, bytes, str]] = []
+
+    class Recorder:
+        def stored(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None:
+            told.append(("stored", namespace_id, mode_id, address[1], tier))
+
+        def removed(self, namespace_id: str, mode_id: str, address: BlockAddress, tier: str) -> None:
+            told.append(("removed", namespace_id, mode_id, address[1], tier))
+
+    staged.observe_blocks(Recorder())
+    ns = "ns-" + uuid.uuid4().hex[:8]
+    assert [r.outcome for r in staged.put_many(ns, MODE, [(addr("put-0"), b"a"), (addr("put-1"), b"b")])] == [
+        PutOutcome.STORED
+    ] * 2
+    assert staged.put(ns, MODE, addr("put-0"), b"a").outcome is PutOutcome.ALREADY_PRESENT
+    assert write(staged, ns, MODE, [(addr("commit-0"), b"c" * 4096)]) == [PutOutcome.STORED]
+    assert told == [
+        ("stored", ns, MODE, b"put-0", "mooncake"),
+        ("stored", ns, MODE, b"put-1", "mooncake"),
+        ("stored", ns, MODE, b"commit-0", "mooncake"),
+    ]
