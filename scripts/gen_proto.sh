@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates the Python stubs for proto/kvtag/v1/*.proto into OUT (default proto/python).
-# The pinned grpcio-tools in requirements/dev.txt makes the output reproducible.
+# The pinned grpcio-tools (requirements/constraints.txt) makes the output reproducible.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$here/proto/python}
