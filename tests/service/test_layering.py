@@ -1,7 +1,8 @@
 """The store's layering, read from its imports: the rules docs/architecture.md states ("The layers").
 
 Each test reads every `import` of store_service/kvtag_store with `ast` (those under TYPE_CHECKING
-too) and names the arrows that break its rule, so a failure says which file to change.
+too) and names the arrows that break its rule, so a failure says which file to change. The last
+test holds the product code (store, client, proto) to its size limits.
 """
 
 from __future__ import annotations
@@ -148,3 +149,28 @@ def test_the_rules_see_every_floor() -> None:
     floors = {_floor(_module_of(p)) for p in ROOT.rglob("*.py")} - {""}
     placed = set(LAYERS) | set(BESIDE) | set(SIDE) | SHARED
     assert floors <= placed, f"not placed in the layering: {sorted(floors - placed)}"
+
+
+# The limits the code-health rounds set for product code (issue 41): past them, split by job.
+MAX_FILE_LINES = 500
+MAX_CLASS_LINES = 400
+PRODUCT = [
+    ROOT,
+    ROOT.parents[1] / "client" / "kvtag_client",
+    ROOT.parents[1] / "proto" / "python" / "kvtag_proto",
+]
+
+
+def test_no_product_file_is_over_500_lines_and_no_class_over_400() -> None:
+    wrong = []
+    for package in PRODUCT:
+        for path in sorted(package.rglob("*.py")):
+            text = path.read_text()
+            if text.count("\n") > MAX_FILE_LINES:
+                wrong.append(f"{path.relative_to(ROOT.parents[1])}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text, str(path))):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    size = node.end_lineno - node.lineno + 1
+                    if size > MAX_CLASS_LINES:
+                        wrong.append(f"{path.relative_to(ROOT.parents[1])}: class {node.name} {size} lines")
+    assert not wrong, "\n".join(wrong)
