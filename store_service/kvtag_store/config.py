@@ -276,24 +276,24 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         default_policy=parse_policy(args.policy),
         namespace_policies=dict(overrides),
-        session_ttl_ms=_positive("--session-ttl-ms", args.session_ttl_ms),
-        default_lease_ms=_positive("--lease-ms", args.lease_ms),
-        max_lease_ms=_positive("--max-lease-ms", args.max_lease_ms),
+        session_ttl_ms=positive_int("--session-ttl-ms", args.session_ttl_ms),
+        default_lease_ms=positive_int("--lease-ms", args.lease_ms),
+        max_lease_ms=positive_int("--max-lease-ms", args.max_lease_ms),
         limits=ServiceLimits(
-            max_key_bytes=_positive("--max-key-bytes", args.max_key_bytes),
-            max_batch_items=_positive("--max-batch-items", args.max_batch_items),
+            max_key_bytes=positive_int("--max-key-bytes", args.max_key_bytes),
+            max_batch_items=positive_int("--max-batch-items", args.max_batch_items),
             max_message_bytes=max_message_bytes,
         ),
-        base_index_entries=_positive("--base-index-entries", args.base_index_entries),
+        base_index_entries=positive_int("--base-index-entries", args.base_index_entries),
         max_inflight_bytes=max_inflight_bytes,
         census_retention_ms=_retention(args.census_retention),
         caps=Caps(
-            max_namespaces=_positive("--max-namespaces", args.max_namespaces),
-            max_namespaces_per_tenant=_positive(
+            max_namespaces=positive_int("--max-namespaces", args.max_namespaces),
+            max_namespaces_per_tenant=positive_int(
                 "--max-namespaces-per-tenant", args.max_namespaces_per_tenant
             ),
-            max_sessions=_positive("--max-sessions", args.max_sessions),
-            max_sessions_per_tenant=_positive("--max-sessions-per-tenant", args.max_sessions_per_tenant),
+            max_sessions=positive_int("--max-sessions", args.max_sessions),
+            max_sessions_per_tenant=positive_int("--max-sessions-per-tenant", args.max_sessions_per_tenant),
         ),
     )
 
@@ -305,7 +305,8 @@ def _retention(value: object) -> int:
     return retention
 
 
-def _positive(flag: str, value: object) -> int:
+def positive_int(flag: str, value: object) -> int:
+    """A flag's value as a positive integer, or an argparse error naming the flag."""
     try:
         number = int(str(value))
     except ValueError:

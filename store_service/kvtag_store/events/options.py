@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvtag_store.config import env_default, env_name, format_size, parse_size
+from kvtag_store.config import env_default, env_name, format_size, parse_size, positive_int
 from kvtag_store.security.options import Security, check_listen
 
 
@@ -86,10 +86,10 @@ def build(args: argparse.Namespace, security: Security) -> EventOptions | None:
         options = EventOptions(
             listen=str(args.kv_events_listen),
             replay_listen=str(args.kv_events_replay_listen),
-            hwm=_positive(args.kv_events_hwm, "--kv-events-hwm"),
-            replay_batches=_positive(args.kv_events_replay_batches, "--kv-events-replay-batches"),
+            hwm=positive_int("--kv-events-hwm", args.kv_events_hwm),
+            replay_batches=positive_int("--kv-events-replay-batches", args.kv_events_replay_batches),
             replay_bytes=parse_size(str(args.kv_events_replay_bytes)),
-            queue_events=_positive(args.kv_events_queue, "--kv-events-queue"),
+            queue_events=positive_int("--kv-events-queue", args.kv_events_queue),
         )
         for flag, address in (
             ("--kv-events-listen", options.listen),
@@ -99,13 +99,3 @@ def build(args: argparse.Namespace, security: Security) -> EventOptions | None:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return options
-
-
-def _positive(value: object, flag: str) -> int:
-    try:
-        number = int(str(value))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"{flag} must be a positive integer, got {value!r}")
-    return number
