@@ -1,4 +1,4 @@
-"""Admission across a restart (census_snapshot): a strict namespace keeps the mode it established,
+"""InflightBudget across a restart (census_snapshot): a strict namespace keeps the mode it established,
 from the snapshot in the disk dir or, when the snapshot is lost, from the modes of its blocks on disk.
 
 Each "restart" is a fresh server and census over the same directory (real files, real gRPC); the

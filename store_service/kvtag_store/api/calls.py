@@ -14,7 +14,7 @@ import grpc
 
 from kvtag_store import errors
 from kvtag_store.api import intake
-from kvtag_store.api.admission import Admission
+from kvtag_store.api.inflight import InflightBudget
 from kvtag_store.backends.base import BackendUnavailable
 from kvtag_store.observe import logs
 from kvtag_store.observe.metrics import StoreMetrics
@@ -28,7 +28,7 @@ R = TypeVar("R")
 
 
 class Calls:
-    def __init__(self, max_batch_items: int, admission: Admission, metrics: StoreMetrics) -> None:
+    def __init__(self, max_batch_items: int, admission: InflightBudget, metrics: StoreMetrics) -> None:
         self.max_batch_items = max_batch_items
         self.admission = admission
         self.metrics = metrics

@@ -20,7 +20,7 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
 from kvtag_store.api import codec, framing
-from kvtag_store.api.admission import Admission, request_cost
+from kvtag_store.api.inflight import InflightBudget, request_cost
 
 # A Lookup block in the common shape is at least 5 wire bytes (0x12 len 0x0a len key).
 _MIN_LOOKUP_BLOCK = 5
@@ -78,7 +78,7 @@ RELEASE_LEASES = Intake(
 
 
 @contextmanager
-def admitted(intake: Intake, data: bytes, max_items: int, admission: Admission) -> Iterator[Any]:
+def admitted(intake: Intake, data: bytes, max_items: int, admission: InflightBudget) -> Iterator[Any]:
     """The parsed request, with its cost held against the admission limit for the block."""
     try:
         items = intake.count(data, max_items)

@@ -8,8 +8,8 @@ from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
 from kvtag_store.api import codec
-from kvtag_store.api.admission import COPIES, Admission
 from kvtag_store.api.counting import Counting, KeyTally
+from kvtag_store.api.inflight import COPIES, InflightBudget
 from kvtag_store.api.leases import Leases
 from kvtag_store.backends.base import BlockAddress, BlockBackend, ReadResult, ViewReads
 from kvtag_store.config import ServiceLimits
@@ -29,7 +29,7 @@ class Reads:
         views: ViewReads | None,
         leases: Leases,
         counting: Counting,
-        admission: Admission,
+        admission: InflightBudget,
         limits: ServiceLimits,
         message_budget: int,
     ) -> None:

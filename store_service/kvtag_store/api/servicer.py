@@ -17,9 +17,9 @@ from kvtag.v1 import store_pb2_grpc
 
 from kvtag_store import heap
 from kvtag_store.api import codec, intake, replies, validation
-from kvtag_store.api.admission import Admission
 from kvtag_store.api.calls import Calls, rpc
 from kvtag_store.api.counting import Counting
+from kvtag_store.api.inflight import InflightBudget
 from kvtag_store.api.leases import Leases
 from kvtag_store.api.lookups import Lookups
 from kvtag_store.api.outcomes import ValueLimit
@@ -72,7 +72,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         )
         self.base_index = BaseKeyIndex(config.base_index_entries)
         # The bound on request and reply bytes held at once (admission.py).
-        self.admission = Admission(config.max_inflight_bytes)
+        self.admission = InflightBudget(config.max_inflight_bytes)
         self.calls = Calls(self.limits.max_batch_items, self.admission, metrics)
         message_budget = self.limits.max_message_bytes - message_headroom(self.limits.max_message_bytes)
         value_limit = ValueLimit(min(backend.max_value_bytes, message_budget))

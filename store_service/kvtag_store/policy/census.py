@@ -51,7 +51,7 @@ class ForgettingCensusStore(Protocol):
 
 
 @dataclass(frozen=True)
-class Admission:
+class Admitted:
     namespace_id: str
     mode_id: str
     policy: int
@@ -91,7 +91,7 @@ class Census:
 
     # -- OpenSession --------------------------------------------------------
 
-    def admit(self, request: pb.OpenSessionRequest) -> Admission:
+    def admit(self, request: pb.OpenSessionRequest) -> Admitted:
         """Apply the namespace policy and the probe check; raise ApiError on refusal."""
         ns_id = ids.namespace_id(request.namespace)
         mode_id = ids.mode_id(request.mode)
@@ -137,7 +137,7 @@ class Census:
                 raise warning
             warnings.append(warning.warning)
         warnings.extend(self._described_and_siblings(ns_id, mode_id, request))
-        return Admission(ns_id, mode_id, state.policy, warnings)
+        return Admitted(ns_id, mode_id, state.policy, warnings)
 
     def _described_and_siblings(
         self, ns_id: str, mode_id: str, request: pb.OpenSessionRequest

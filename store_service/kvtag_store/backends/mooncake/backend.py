@@ -34,10 +34,10 @@ from kvtag_store.backends.mooncake.errors import ErrorCounters
 from kvtag_store.backends.mooncake.format import object_keys
 from kvtag_store.backends.mooncake.health import MasterBreaker
 from kvtag_store.backends.mooncake.leases import LeaseKeeper
-from kvtag_store.backends.mooncake.reads import Reads
+from kvtag_store.backends.mooncake.reads import ClusterReader
 from kvtag_store.backends.mooncake.shared_memory import SharedMemoryHalf
 from kvtag_store.backends.mooncake.staging import StagedAddress, Staging
-from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.mooncake.writes import ClusterWriter
 from kvtag_store.backends.shm.arena import Arena
 
 # Re-exported: callers name the client, its settings and connect beside the backend.
@@ -53,8 +53,8 @@ class MooncakeBackend:
         self._cluster = Cluster(client, settings)
         self.errors: ErrorCounters = self._cluster.errors
         self._leases = LeaseKeeper(client, settings.lease_ttl_ms)
-        self._reads = Reads(self._cluster)
-        self._writes = Writes(self._cluster)
+        self._reads = ClusterReader(self._cluster)
+        self._writes = ClusterWriter(self._cluster)
         staging = (
             Staging(client, settings.shm_dir, settings.shm_staging_bytes, settings.shm_groups)
             if settings.shm_dir

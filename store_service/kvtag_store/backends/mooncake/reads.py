@@ -39,7 +39,7 @@ class Found(NamedTuple):
     holders: list[str | None]
 
 
-class Reads:
+class ClusterReader:
     """Lookups and Gets over the cluster; a value that fails verification is dropped and a miss."""
 
     def __init__(self, cluster: Cluster) -> None:

@@ -26,9 +26,9 @@ from kvtag_store.backends.base import (
 from kvtag_store.backends.mooncake.cluster import Cluster
 from kvtag_store.backends.mooncake.errors import MooncakeCode
 from kvtag_store.backends.mooncake.format import HEADER_BYTES, FormatError, decode_header, payload_checksum
-from kvtag_store.backends.mooncake.reads import Reads
+from kvtag_store.backends.mooncake.reads import ClusterReader
 from kvtag_store.backends.mooncake.staging import Staged, StagedAddress, Staging
-from kvtag_store.backends.mooncake.writes import Writes
+from kvtag_store.backends.mooncake.writes import ClusterWriter
 from kvtag_store.backends.shm.arena import Arena
 
 # Spare slots of a staging arena stay within this share of it: the rest is for reads and reservations.
@@ -55,7 +55,12 @@ class SharedMemoryHalf:
     """Staging slots for same-host clients, and the reservations that hold them until a commit."""
 
     def __init__(
-        self, cluster: Cluster, reads: Reads, writes: Writes, staging: Staging | None, events: EventRelay
+        self,
+        cluster: Cluster,
+        reads: ClusterReader,
+        writes: ClusterWriter,
+        staging: Staging | None,
+        events: EventRelay,
     ) -> None:
         """`events`: told of the blocks commits store (KV events)."""
         self._cluster = cluster
@@ -83,7 +88,7 @@ class SharedMemoryHalf:
         self, namespace_id: str, mode_id: str, items: Sequence[tuple[BlockAddress, int]]
     ) -> list[SlotReference | PutResult]:
         """A staging slot per item, or the outcome already known. A block already stored answers
-        ALREADY_PRESENT or CONFLICT now (existence checks, Writes.check), so the client does not
+        ALREADY_PRESENT or CONFLICT now (existence checks, ClusterWriter.check), so the client does not
         copy it for nothing."""
         if self._staging is None:
             return [_NO_STAGING] * len(items)
@@ -138,7 +143,7 @@ class SharedMemoryHalf:
         digests: Sequence[int] | None,
         addresses: Sequence[BlockAddress] | None,
     ) -> tuple[list[PutResult], int]:
-        """Put each reserved slot into the cluster (Writes.put_staged), under the client's digests
+        """Put each reserved slot into the cluster (ClusterWriter.put_staged), under the client's digests
         when it sent them; the slots are free again afterwards, whatever happened. `addresses` bind
         spare slots to their keys: those were not checked at reserve, so the blocks already stored
         are answered from existence checks here and not put."""

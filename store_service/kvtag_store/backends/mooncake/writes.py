@@ -3,7 +3,7 @@
 Every put registers its mode in the namespace's mode directory first, then checks which of its
 blocks are there already (in its mode: ALREADY_PRESENT; in another: CONFLICT) with existence
 checks alone, and puts the rest. After the put one more existence check settles each block
-(`Writes._outcomes`) and checks the other modes' keys again: a block another mode stored
+(`ClusterWriter._outcomes`) and checks the other modes' keys again: a block another mode stored
 meanwhile makes ours go (removed) and answer CONFLICT, so one address never stays held by two
 modes (mooncake.modes says why this cannot miss). No header is read back on that path, which
 leaves one race open: two writers of one key in the *same* mode whose puts both start within
@@ -67,7 +67,7 @@ class _Sent(NamedTuple):
     codes: Sequence[int]
 
 
-class Writes:
+class ClusterWriter:
     """Puts into the cluster, each judged by the header it left."""
 
     def __init__(self, cluster: Cluster) -> None:

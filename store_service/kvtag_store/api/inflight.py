@@ -26,7 +26,7 @@ COPIES = 2
 RETRY_DELAY_MS = 50
 
 
-class Admission:
+class InflightBudget:
     def __init__(self, limit_bytes: int) -> None:
         self.limit = limit_bytes
         self._held = 0
