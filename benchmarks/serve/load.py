@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.models import _WORDS
+from tests.e2e.models import WORDS
 
 PERCENTILES = "50,99"
 
@@ -50,7 +50,7 @@ def prefix_repetition(
 
 
 def _sentence(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
 def multi_turn(

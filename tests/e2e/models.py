@@ -35,14 +35,14 @@ _WORD_TEXT = (
     "question example solve add subtract multiply divide equals one two three four five six seven "
     "eight nine ten hundred thousand percent price store farmer eggs cookies miles speed week day"
 )
-_WORDS = tuple(_WORD_TEXT.split())
+WORDS = tuple(_WORD_TEXT.split())
 
 
 def _corpus() -> list[str]:
     """A deterministic arithmetic-word-problem corpus to train the tokenizer on."""
     lines = []
     for i in range(400):
-        words = [_WORDS[(i * 7 + j * 13) % len(_WORDS)] for j in range(24)]
+        words = [WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(24)]
         lines.append(" ".join(words) + f" {i} + {i * 3 % 97} = {i + i * 3 % 97}.")
     return lines
 
