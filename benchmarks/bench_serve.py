@@ -300,14 +300,21 @@ class Bench:
                 for _, s, v, eagle in consumers
             ]
             servers = self.start(specs)
+            told: list[tuple[dict[str, Any], str]] = []
             try:
                 for server, (scenario, system, variant, _) in zip(servers, consumers, strict=True):
                     record = self.measure(server, scenario, f"{system}/{variant}", "consumer", load, CLOSED)
                     if scenario == "mismatch":
                         record["operator_told"] = report.operator_lines(server.log_text())
+                        told.append((record, system))
             finally:
                 for server in servers:
                     server.stop()
+            # After the stops: a companion's last usage counts reach its store when its session closes.
+            for record, system in told:
+                store = self.stores.get("kvtag-mem" if system == "peer+kvtag" else system)
+                if store is not None:
+                    record["diagnose"] = store.cli("diagnose").splitlines()[:40]
 
     def measure_prefill(self, server: Server) -> None:
         """The model's prefill rate on a fresh server without a store: a 2,048-token prompt, 3 times;
