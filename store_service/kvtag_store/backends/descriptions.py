@@ -6,6 +6,33 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import Any, Protocol
+
+
+class _Record(Protocol):
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> Any: ...
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]: ...
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]: ...
+
+
+class DescribedCensus:
+    """CensusStore's three describe verbs, answered by the record a census store keeps in
+    `descriptions` (in process for memory, in the cluster for Mooncake)."""
+
+    descriptions: _Record
+
+    def describe(
+        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
+    ) -> None:
+        self.descriptions.describe(namespace_id, model_key, namespace, mode_id, mode)
+
+    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
+        return self.descriptions.described_modes(namespace_id, mode_ids)
+
+    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
+        return self.descriptions.namespaces_of(model_key)
 
 
 class Descriptions:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 
 from kvtag_store.backends.base import ProbeRecord
-from kvtag_store.backends.descriptions import Descriptions
+from kvtag_store.backends.descriptions import DescribedCensus, Descriptions
 
 
-class MemoryCensus:
+class MemoryCensus(DescribedCensus):
     """CensusStore in process: first-writer-wins records for a single service replica. Forgets a
     namespace's records when the census forgets the namespace (policy.census.ForgettingCensusStore)."""
+
+    descriptions: Descriptions
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -26,17 +27,6 @@ class MemoryCensus:
     def reference_probe(self, namespace_id: str, mode_id: str, record: ProbeRecord) -> ProbeRecord:
         with self._lock:
             return self._probes.setdefault(namespace_id, {}).setdefault(mode_id, record)
-
-    def describe(
-        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
-    ) -> None:
-        self.descriptions.describe(namespace_id, model_key, namespace, mode_id, mode)
-
-    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
-        return self.descriptions.described_modes(namespace_id, mode_ids)
-
-    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
-        return self.descriptions.namespaces_of(model_key)
 
     def forget_namespace(self, namespace_id: str) -> None:
         """Drop the namespace's first mode, probe references and descriptions: nothing of it is left

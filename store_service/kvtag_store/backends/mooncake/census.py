@@ -33,10 +33,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtag_store.backends.base import BackendUnavailable, ProbeRecord
+from kvtag_store.backends.descriptions import DescribedCensus
 from kvtag_store.backends.mooncake.client import MooncakeClient, pinned_config
 from kvtag_store.backends.mooncake.cluster import EXISTS_DOWN
 from kvtag_store.backends.mooncake.descriptions import ClusterDescriptions
@@ -85,7 +85,7 @@ def _fresh(body: bytes) -> _Record:
     return _Record(body, int(time.time() * 1000), os.urandom(8).hex())
 
 
-class MooncakeCensus:
+class MooncakeCensus(DescribedCensus):
     def __init__(self, client: MooncakeClient, breaker: MasterBreaker) -> None:
         """`breaker`: the backend's (cluster.master_breaker over the same client), so an OpenSession
         while the master is down is answered UNAVAILABLE at once, not after seconds of retries in
@@ -119,17 +119,6 @@ class MooncakeCensus:
         keep = census_key(namespace_id, "mode") in self._known_copy()
         won = json.loads(self._agree(key, body, settle=False, keep=keep).body)
         return ProbeRecord(str(won["engine_id"]), tuple(bytes.fromhex(k) for k in won["probe_keys"]))
-
-    def describe(
-        self, namespace_id: str, model_key: str, namespace: bytes, mode_id: str, mode: bytes
-    ) -> None:
-        self.descriptions.describe(namespace_id, model_key, namespace, mode_id, mode)
-
-    def described_modes(self, namespace_id: str, mode_ids: Iterable[str]) -> dict[str, bytes]:
-        return self.descriptions.described_modes(namespace_id, mode_ids)
-
-    def namespaces_of(self, model_key: str) -> dict[str, bytes]:
-        return self.descriptions.namespaces_of(model_key)
 
     def close(self) -> None:
         self._stop.set()
