@@ -46,6 +46,10 @@ def message_headroom(max_message_bytes: int) -> int:
     return min(1 << 20, max_message_bytes // 16)
 
 
+# The least time between two sweeps a namespace cap brings on (reclaim_namespaces).
+RECLAIM_INTERVAL_S = 1.0
+
+
 class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def __init__(
         self,
@@ -90,6 +94,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.limits,
             config.default_lease_ms,
         )
+        self._next_reclaim = 0.0
         self.desk = SessionDesk(
             self.sessions,
             self.access,
@@ -102,6 +107,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.limits,
             replies.limits(self.limits, value_limit.max_value_bytes),
             config.session_ttl_ms,
+            self.reclaim_namespaces,
         )
         self.leases = leases
         self.lookups = Lookups(backend, self.capabilities, leases, counting, self.base_index, config)
@@ -135,12 +141,14 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         if self.census.sweep_due(time.monotonic()):
             self.sweep_census()
 
-    def sweep_census(self) -> None:
+    def sweep_census(self, idle_for_ms: int | None = None) -> list[str]:
         """census.sweep with the backend's blocks per namespace (NamespaceCounting). A backend that
         cannot count them per namespace (Mooncake) gives None: namespaces whose modes stored stay."""
         idle_since = time.monotonic()  # what a session names after this is kept by the backend
         counting = self.capabilities.counting
-        forgotten = self.census.sweep(counting.blocks_per_namespace() if counting is not None else None)
+        forgotten = self.census.sweep(
+            counting.blocks_per_namespace() if counting is not None else None, idle_for_ms=idle_for_ms
+        )
         if forgotten:
             self.metrics.namespaces_forgotten.inc(len(forgotten))
         if self.capabilities.forgetting is not None:
@@ -149,6 +157,18 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             for listener in self.forget_listeners:
                 listener(forgotten)
             heap.give_back()  # what the forgotten namespaces' calls left free (kvtag_store.heap)
+        return forgotten
+
+    def reclaim_namespaces(self) -> bool:
+        """At a namespace cap: forget the namespaces that hold nothing (no live session, block or
+        lease) now rather than after --census-retention, so that junk namespaces, which any client
+        can open without a token, never refuse a new tenant. At most one such sweep a second: it reads
+        the backend's per-namespace counts. True if any namespace was forgotten."""
+        now = time.monotonic()
+        if now < self._next_reclaim:
+            return False
+        self._next_reclaim = now + RECLAIM_INTERVAL_S
+        return bool(self.sweep_census(idle_for_ms=0))
 
     # -- sessions -----------------------------------------------------------
 

@@ -40,9 +40,11 @@ class SessionDesk:
         limits: ServiceLimits,
         limits_message: pb.Limits,
         session_ttl_ms: int,
+        reclaim: Callable[[], bool] = lambda: False,
     ) -> None:
         """`tenants`: the backend when it keeps tenants apart (told each namespace's tenant), else None.
-        `forgetting`: the backend when it holds memory per tenant (admit_tenant), else None."""
+        `forgetting`: the backend when it holds memory per tenant (admit_tenant), else None.
+        `reclaim`: forgets the namespaces that hold nothing, before a namespace cap would refuse."""
         self.sessions = sessions
         self.access = access
         self.census = census
@@ -54,6 +56,7 @@ class SessionDesk:
         self.limits = limits
         self.limits_message = limits_message
         self.session_ttl_ms = session_ttl_ms
+        self.reclaim = reclaim
 
     def find(self, session_id: str, context: grpc.ServicerContext, rpc: str) -> Session:
         """The caller's live session, its deadline renewed. One of a tenant the caller's token does not
@@ -74,6 +77,8 @@ class SessionDesk:
             arena = self.access.arena_of(tenant)
             if self.forgetting is not None:
                 self.forgetting.admit_tenant(tenant, arena)
+            if self.census.short_of_room(request):
+                self.reclaim()
             verdict = self.census.admit(request)
             session = self.sessions.open(
                 request.engine_id, verdict.namespace_id, verdict.mode_id, dict(request.labels), tenant

@@ -18,8 +18,9 @@ def namespace_cap(flag: str, limit: int, tenant: str | None) -> ApiError:
         pb.NAMESPACE_CAP_REACHED,
         flag,
         limit,
-        f"{scope} {limit} namespaces, the {flag} cap; a namespace with no session, block or lease is "
-        "forgotten after --census-retention, so retry later, reuse an existing namespace, or raise the cap",
+        f"{scope} {limit} namespaces, the {flag} cap, each with a live session or stored blocks (those "
+        "holding nothing were just forgotten); retry once blocks are evicted or sessions end, reuse an "
+        "existing namespace, or raise the cap",
     )
 
 

@@ -99,7 +99,10 @@ class Census:
         with self._lock:
             state = self._namespaces.get(ns_id)
             if state is None:
-                self._check_namespace_room(request.namespace.tenant)
+                capped = self._cap_reached(request.namespace.tenant)
+                if capped is not None:
+                    self.refusals_total[capped.reason] += 1
+                    raise capped
                 state = self._namespaces[ns_id] = NamespaceState(
                     namespace_id=ns_id,
                     descriptor=pb.NamespaceDescriptor(),
@@ -178,18 +181,21 @@ class Census:
             log.warning("namespace %s: modes holding blocks not read at OpenSession (%s)", ns_id, exc)
             return None
 
-    def _check_namespace_room(self, tenant: str) -> None:
-        """Raise NAMESPACE_CAP_REACHED if one more namespace would pass a cap. Caller holds the lock."""
-        refusal = None
+    def short_of_room(self, request: pb.OpenSessionRequest) -> bool:
+        """True if admitting `request` would open a namespace past a cap (checked again by admit)."""
+        with self._lock:
+            known = ids.namespace_id(request.namespace) in self._namespaces
+            return not known and self._cap_reached(request.namespace.tenant) is not None
+
+    def _cap_reached(self, tenant: str) -> errors.ApiError | None:
+        """NAMESPACE_CAP_REACHED if one more namespace would pass a cap. Caller holds the lock."""
         if len(self._namespaces) >= self._caps.max_namespaces:
-            refusal = caps.namespace_cap("--max-namespaces", self._caps.max_namespaces, None)
-        elif self._per_tenant[tenant] >= self._caps.max_namespaces_per_tenant:
-            refusal = caps.namespace_cap(
+            return caps.namespace_cap("--max-namespaces", self._caps.max_namespaces, None)
+        if self._per_tenant[tenant] >= self._caps.max_namespaces_per_tenant:
+            return caps.namespace_cap(
                 "--max-namespaces-per-tenant", self._caps.max_namespaces_per_tenant, tenant
             )
-        if refusal is not None:
-            self.refusals_total[refusal.reason] += 1
-            raise refusal
+        return None
 
     def _split_warnings(
         self, state: NamespaceState, mode_id: str, request: pb.OpenSessionRequest, ns_text: str
@@ -236,21 +242,13 @@ class Census:
         request: pb.OpenSessionRequest,
         reference: ProbeRecord,
     ) -> _ProbeDrift:
-        reference_labels = self._labels_of(state, reference.engine_id)
-        cause = mode_diff.likely_cause(request.mode, reference_labels, dict(request.labels))
-        record = pb.ProbeDisagreement(
-            namespace_id=ns_id,
-            mode_id=mode_id,
-            reference_engine_id=reference.engine_id,
-            engine_id=request.engine_id,
-            likely_cause=cause,
-            at_unix_ms=now_ms(),
-        )
-        verdict = "refused" if state.policy == pb.POLICY_STRICT else "flagged"
-        message = (
-            f"engine `{request.engine_id}` declares mode {mode_id} in namespace {ns_text} but its probe keys "
-            f"differ from engine `{reference.engine_id}`'s, so the two hash differently in fact and would "
-            f"never share hits ({verdict}); {cause}"
+        message, record = mode_diff.probe_disagreement(
+            request,
+            ns_text,
+            mode_id,
+            reference.engine_id,
+            self._labels_of(state, reference.engine_id),
+            strict=state.policy == pb.POLICY_STRICT,
         )
         with self._lock:
             self._shelf.add(state.disagreements, record, record.ByteSize())
@@ -307,14 +305,19 @@ class Census:
         self._next_sweep = now + min(30.0, max(0.1, self.retention_ms / 4000.0))
         return True
 
-    def sweep(self, held: Mapping[str, int] | None, at_ms: int | None = None) -> list[str]:
+    def sweep(
+        self, held: Mapping[str, int] | None, at_ms: int | None = None, idle_for_ms: int | None = None
+    ) -> list[str]:
         """Forget namespaces with no live session, no stored block and no lease whose last activity
-        is older than the retention window (those named by --namespace-policy are kept), and prune
-        idle modes of the others. `held`: namespace_id -> stored blocks, or None when the backend
-        cannot say (then a namespace whose modes stored blocks is kept). Leases belong to sessions, so
-        a namespace without a live session holds none. Returns the forgotten namespace ids."""
+        is older than the retention window, or `idle_for_ms` (0 under a namespace cap: such a
+        namespace holds nothing, and keeping it would refuse a new tenant); those named by
+        --namespace-policy are kept. Prune idle modes of the others. `held`: namespace_id -> stored
+        blocks, or None when the backend cannot say (then a namespace whose modes stored blocks is
+        kept). Leases belong to sessions, so a namespace without a live session holds none. Returns
+        the forgotten namespace ids."""
         now = now_ms() if at_ms is None else at_ms
         horizon = now - self.retention_ms
+        idle_horizon = horizon if idle_for_ms is None else now - idle_for_ms
         forgotten: list[str] = []
         with self._lock:
             for ns_id, state in list(self._namespaces.items()):
@@ -323,7 +326,7 @@ class Census:
                 live = any(m.live for m in state.modes.values())
                 if (
                     not live
-                    and state.last_active_ms <= horizon
+                    and state.last_active_ms <= idle_horizon
                     and ns_id not in self._policy_for
                     and not state.holds_blocks()
                 ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto import ids
@@ -99,3 +100,32 @@ def likely_cause(mode: pb.HashingMode, reference_labels: dict[str, str], labels:
             "the seed/seed_fingerprint really matches)"
         )
     return "likely cause: " + "; or ".join(causes)
+
+
+def probe_disagreement(
+    request: pb.OpenSessionRequest,
+    ns_text: str,
+    mode_id: str,
+    reference_engine_id: str,
+    reference_labels: dict[str, str],
+    *,
+    strict: bool,
+) -> tuple[str, pb.ProbeDisagreement]:
+    """The message and record of an engine whose probe keys differ from the reference engine's in the
+    same declared mode: the two hash differently in fact, whatever they declare."""
+    cause = likely_cause(request.mode, reference_labels, dict(request.labels))
+    record = pb.ProbeDisagreement(
+        namespace_id=ids.namespace_id(request.namespace),
+        mode_id=mode_id,
+        reference_engine_id=reference_engine_id,
+        engine_id=request.engine_id,
+        likely_cause=cause,
+        at_unix_ms=int(time.time() * 1000),
+    )
+    verdict = "refused" if strict else "flagged"
+    message = (
+        f"engine `{request.engine_id}` declares mode {mode_id} in namespace {ns_text} but its probe keys "
+        f"differ from engine `{reference_engine_id}`'s, so the two hash differently in fact and would "
+        f"never share hits ({verdict}); {cause}"
+    )
+    return message, record
