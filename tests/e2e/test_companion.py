@@ -10,6 +10,7 @@ own counters (engine_runner.py); every engine's greedy tokens are compared with 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from collections.abc import Iterator
@@ -171,6 +172,12 @@ def prefix_ids(log: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def site(models: dict[str, Path], work_dir: Path) -> Iterator[Site]:
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.fail(
+            "the Mooncake wheel is not in the vLLM env (the peer imports it): make .stamps/bench-serve"
+        )
+    if not (REPO / ".venv" / "bin" / "mooncake_master").exists():
+        pytest.fail("the Mooncake wheel is not installed in .venv: run scripts/install_mooncake.sh")
     with private_netns():
         cluster = Cluster(work_dir, SEGMENT_BYTES)
         store = StoreProcess(work_dir / "store-isolate.log", process_group=True)
