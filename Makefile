@@ -91,7 +91,8 @@ test-mooncake: $(STAMPS)/dev
 test-connector: $(STAMPS)/vllm $(STAMPS)/service
 	$(VLLM_VENV)/bin/pytest -q --cov=kvtag_client $(COV) tests/connector tests/client_vllm
 
-# tests/e2e/test_mooncake_shared_memory.py runs engines over a Mooncake cluster (wheel in .venv).
+# tests/e2e/test_mooncake_shared_memory.py runs engines over a Mooncake cluster (wheel in .venv);
+# test_companion.py and test_bench_serve.py also run vLLM's MooncakeStoreConnector (wheel in .venv-vllm, mk/bench-serve.mk).
 test-e2e: $(STAMPS)/vllm $(STAMPS)/dev
 	scripts/install_openssl.sh
 	scripts/install_mooncake.sh

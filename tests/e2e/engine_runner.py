@@ -292,6 +292,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                     "prompt_len": len(prompt),
                     "token_ids": list(output.outputs[0].token_ids),
                     "num_cached_tokens": int(output.num_cached_tokens or 0),
+                    "finish_reason": output.outputs[0].finish_reason,
                 }
                 if len(batch) == 1:
                     request.update(delta)
@@ -307,7 +308,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     connectors = [c for c in (scheduler_connector, _worker_connector()) if c is not None]
     worker = _worker_connector()
     # Which data path the worker's saves and loads took ("shared_memory" on one host, else "inline").
-    results["worker_data_path"] = worker.client().data_path if worker is not None else None
+    # A companion (data_path MooncakeStoreConnector) has no worker-side client: the peer moves the bytes.
+    client = getattr(worker, "client", None)
+    results["worker_data_path"] = client().data_path if callable(client) else None
     results["scheduler_connector_time"] = timer.report() if timer is not None else None
     # A clean engine shutdown shuts the connector down, which flushes its pending saves:
     # the next engine process must find everything this one stored.

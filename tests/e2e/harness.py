@@ -34,9 +34,12 @@ def kv_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
 class EngineRun:
     """One engine_runner.py process. `start()` returns at once; `result()` waits for the JSON."""
 
-    def __init__(self, job: dict[str, Any], work_dir: Path, name: str) -> None:
+    def __init__(
+        self, job: dict[str, Any], work_dir: Path, name: str, env: dict[str, str] | None = None
+    ) -> None:
         self.job = job
         self.name = name
+        self.env = env or {}
         self.job_path = work_dir / f"{name}.job.json"
         self.result_path = work_dir / f"{name}.result.json"
         self.log_path = work_dir / f"{name}.log"
@@ -52,6 +55,7 @@ class EngineRun:
             HF_HUB_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
         )
+        env.update(self.env)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(RUNNER), str(self.job_path), str(self.result_path)],
