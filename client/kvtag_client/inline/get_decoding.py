@@ -9,7 +9,7 @@ keeps a value for long should take bytes(value). Any
 shape this walker does not expect (an unknown field, a truncated message) goes
 to the generated parser, so the answer is always what the generated code reads;
 tests/client/test_get_decoding.py checks that with hypothesis, and
-tests/service/test_codec_schema.py pins the fields it relies on.
+tests/service/api/test_codec_schema.py pins the fields it relies on.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ element of a repeated message it touches and copies every bytes field twice:
 - Get responses are encoded by hand around the stored value objects, so the
   values are copied once, into the reply.
 
-tests/service/test_wire.py checks all three against the generated code with
+tests/service/api/test_wire.py checks all three against the generated code with
 hypothesis; benchmarks/bench_codecs.py measures what each saves.
 """
 
