@@ -25,6 +25,7 @@ class PackedKeys:
     keys: bytes  # count * key_length bytes
     key_length: int
     base_keys: bytes = b""  # empty, or count legacy base keys of one length, concatenated
+    token_ids: bytes = b""  # empty, or count blocks' token ids (uint32 LE), as many per block
 
     @property
     def count(self) -> int:
@@ -44,18 +45,26 @@ class PackedKeys:
     def sliced(self, start: int, end: int) -> PackedKeys:
         """Keys [start, end) of the run."""
         k = self.key_length
-        base = b""
+        base = tokens = b""
         if self.base_keys and self.count:
             b = len(self.base_keys) // self.count
             base = self.base_keys[start * b : end * b]
-        return PackedKeys(self.group, self.keys[start * k : end * k], k, base)
+        if self.token_ids and self.count:
+            t = len(self.token_ids) // self.count
+            tokens = self.token_ids[start * t : end * t]
+        return PackedKeys(self.group, self.keys[start * k : end * k], k, base, tokens)
 
 
-def pack_blocks(blocks: Sequence[tuple[int, bytes, bytes]]) -> list[PackedKeys]:
+def pack_blocks(
+    blocks: Sequence[tuple[int, bytes, bytes]], token_ids: Sequence[bytes] = ()
+) -> list[PackedKeys]:
     """(group, key, base_key) blocks as runs of consecutive blocks sharing a group, a key length and a
-    base key length. The common case (one group, one length) is checked with C-level passes."""
+    base key length (and a token count, with `token_ids`, one per block). The common case (one group,
+    one length) is checked with C-level passes."""
     if not blocks:
         return []
+    if any(token_ids):
+        return _pack_with_tokens(blocks, list(token_ids))
     groups = list(map(itemgetter(0), blocks))
     keys = list(map(itemgetter(1), blocks))
     bases = list(map(itemgetter(2), blocks))
@@ -85,12 +94,41 @@ def pack_blocks(blocks: Sequence[tuple[int, bytes, bytes]]) -> list[PackedKeys]:
     return runs
 
 
+def _pack_with_tokens(blocks: Sequence[tuple[int, bytes, bytes]], tokens: list[bytes]) -> list[PackedKeys]:
+    runs: list[PackedKeys] = []
+    position = 0
+    shapes = ((g, len(k), len(b), len(t)) for (g, k, b), t in zip(blocks, tokens, strict=True))
+    for (group, key_length, _, _), members in groupby(shapes):
+        end = position + len(list(members))
+        if key_length == 0:  # keyless blocks: one run each, answered MISS locally
+            runs.extend(PackedKeys(group, b"", 0) for _ in range(end - position))
+        else:
+            part = blocks[position:end]
+            runs.append(
+                PackedKeys(
+                    group,
+                    b"".join(k for _, k, _ in part),
+                    key_length,
+                    b"".join(b for _, _, b in part),
+                    b"".join(tokens[position:end]),
+                )
+            )
+        position = end
+    return runs
+
+
 def add_runs(field: RepeatedCompositeFieldContainer[pb.PackedBlocks], runs: Iterable[PackedKeys]) -> None:
     """Append runs to a request's repeated PackedBlocks field, each filled in place (a message built
     apart would be copied in)."""
     add = field.add
     for run in runs:
-        add(key_length=run.key_length, keys=run.keys, group=run.group, base_keys=run.base_keys)
+        add(
+            key_length=run.key_length,
+            keys=run.keys,
+            group=run.group,
+            base_keys=run.base_keys,
+            token_ids=run.token_ids,
+        )
 
 
 def chunked(runs: Sequence[PackedKeys], limit: int) -> Iterator[tuple[int, list[PackedKeys]]]:

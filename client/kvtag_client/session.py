@@ -106,6 +106,8 @@ class Session:
         self.limits = pb.Limits()
         self.limits.CopyFrom(_DEFAULT_LIMITS)
         self.session_ttl_ms = 0
+        # The store publishes KV events and asks for the token ids of puts (BlockRef.token_ids).
+        self.wants_token_ids = False
         self.on_open: list[OpenHook] = []
         # Run by close() after the heartbeat thread ended and before the channel closes.
         self.on_close: list[Callable[[], None]] = []
@@ -208,6 +210,7 @@ class Session:
                 self.mode_id = response.mode_id or self.mode_id
                 self.namespace_id = response.namespace_id or self.namespace_id
                 self.session_ttl_ms = response.session_ttl_ms
+                self.wants_token_ids = response.wants_token_ids
                 if response.HasField("limits"):
                     self.limits = _merged_limits(response.limits)
                 self.warnings = list(response.warnings)

@@ -87,6 +87,7 @@ class StoreClient:
     counters = _OfSession[ClientCounters]()
     limits = _OfSession[pb.Limits]()
     session_ttl_ms = _OfSession[int]()
+    wants_token_ids = _OfSession[bool]()
 
     def __init__(
         self,
@@ -187,8 +188,10 @@ class StoreClient:
 
     # ---- puts and gets -------------------------------------------------------------
 
-    def put(self, items: Sequence[PutItemFields]) -> list[int] | None:
+    def put(self, items: Sequence[PutItemFields], token_ids: Sequence[bytes] = ()) -> list[int] | None:
         """Store (group, key, value, base_key) items; a PutStatus per item, or None when all were dropped.
+        `token_ids`: each item's token ids (uint32 little-endian), or none; send them only when the
+        store asks (wants_token_ids): they feed its KV events.
 
         Batches are split into Put messages within the server's Limits (at most
         max_batch_items items, under max_message_bytes), several in flight. Items that
@@ -203,8 +206,8 @@ class StoreClient:
             def copy(index: int, slot: memoryview) -> None:
                 copy_into(slot, items[index][2])
 
-            return self.put_from([(g, k, len(v), b) for g, k, v, b in items], copy)
-        return self.inline.put(items)
+            return self.put_from([(g, k, len(v), b) for g, k, v, b in items], copy, token_ids)
+        return self.inline.put(items, token_ids)
 
     def get(self, blocks: Sequence[tuple[int, bytes]], leases: Leases = ()) -> list[Value | None]:
         """Values of (group, key) blocks; None for each block not served (miss, mismatch, degraded).
@@ -228,13 +231,16 @@ class StoreClient:
         return self.inline.get(blocks, leases)
 
     def put_from(
-        self, items: Sequence[SizedItemFields], fill: Callable[[int, memoryview], None]
+        self,
+        items: Sequence[SizedItemFields],
+        fill: Callable[[int, memoryview], None],
+        token_ids: Sequence[bytes] = (),
     ) -> list[int] | None:
         """Store (group, key, length, base_key) items whose bytes `fill(index, destination)` writes
         (exactly `length` bytes into the memoryview): straight into arena slots on the shared-memory
         path, into a fresh buffer sent inline otherwise. Results as for put(). `fill` may be called
         from two threads at once, for distinct indices (see write_slots)."""
-        reservation = self.reserve(items)
+        reservation = self.reserve(items, token_ids)
         if reservation is None:
             if self.shm.arena() is not None or not items:
                 return None if items else []
@@ -243,7 +249,7 @@ class StoreClient:
                 buffer = bytearray(length)
                 fill(index, memoryview(buffer))
                 buffers.append(bytes(buffer))
-            return self.put([(g, k, buffers[n], b) for n, (g, k, _, b) in enumerate(items)])
+            return self.put([(g, k, buffers[n], b) for n, (g, k, _, b) in enumerate(items)], token_ids)
         self.write_slots(reservation, fill)
         return self.commit(reservation)
 
@@ -262,10 +268,10 @@ class StoreClient:
 
     # ---- shared-memory puts in steps -------------------------------------------------
 
-    def reserve(self, items: Sequence[SizedItemFields]) -> SharedPut | None:
+    def reserve(self, items: Sequence[SizedItemFields], token_ids: Sequence[bytes] = ()) -> SharedPut | None:
         """Slots for a shared-memory put, or None when this session is not on the shared-memory path
         (or the store failed: the items are then counted as dropped)."""
-        return self.shm.reserve(items)
+        return self.shm.reserve(items, token_ids)
 
     def write_slots(self, reservation: SharedPut, fill: Callable[[int, memoryview], None]) -> None:
         """fill(index, slot) for each granted slot of a reservation, each digested right after, from

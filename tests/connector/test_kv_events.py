@@ -176,6 +176,14 @@ def test_two_engines_of_two_modes_publish_under_two_topics_and_a_router_credits_
                 credited[engine_id].update((event.group_idx, h) for h in event.block_hashes)
         assert credited["ev-eagle"] and credited["ev-legacy"]
         assert not credited["ev-eagle"] & credited["ev-legacy"], "the modes' keys differ"
+        # The store asked for token ids (it publishes events): each block's are the prompt's, in order,
+        # so a router that hashes tokens itself (llm-d) can key the block its own way.
+        assert eagle_client.wants_token_ids
+        chunks = [list(prompt[j * B : (j + 1) * B]) for j in range(4)]
+        for topic in topics.values():
+            seen = [e.token_ids for t, e in router.events(BlockStored) if t == topic]
+            assert seen and all(tokens in chunks for tokens in seen), (topic, seen)
+            assert seen[0] == chunks[0], "the first block stored is the prompt's first"
 
         # The store agrees: each engine hits every block it was credited with, and none of the other's.
         for engine_id, client in (("ev-eagle", eagle_client), ("ev-legacy", legacy_client)):

@@ -17,6 +17,8 @@ class BlockTransfer(NamedTuple):
     block_id: int
     key: bytes
     base_key: bytes = b""
+    # The block's token ids (uint32 little-endian) when the store asks for them (KV events), else empty.
+    tokens: bytes = b""
 
 
 @dataclass(slots=True)

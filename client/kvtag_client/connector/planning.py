@@ -6,6 +6,8 @@ after the step that completed it, when the drafter has written its KV for the bl
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from typing import Any
 
 from . import mamba
@@ -19,9 +21,16 @@ from .tracking import RequestState
 
 class SavePlanner:
     def __init__(
-        self, config: KvtagConfig, geometry: Geometry, groups: CacheGroups, stats: StatsRecorder
+        self,
+        config: KvtagConfig,
+        geometry: Geometry,
+        groups: CacheGroups,
+        stats: StatsRecorder,
+        wants_tokens: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`wants_tokens`: whether the store asks for the token ids of saved blocks (its KV events)."""
         self.config = config
+        self.wants_tokens = wants_tokens
         self.geometry = geometry
         self.groups = groups
         self.stats = stats
@@ -40,10 +49,17 @@ class SavePlanner:
         keys.refresh()
         upto = min(num_computed // self.geometry.block_size, keys.num_keyed_blocks())
         transfers: list[BlockTransfer] = []
+        size = self.geometry.block_size
+        tokens = keys.request.all_token_ids if self.wants_tokens() else None
         for j in range(tracked.next_save_block, upto):
+            packed = (
+                struct.pack(f"<{size}I", *tokens[j * size : (j + 1) * size]) if tokens is not None else b""
+            )
             for group in self.groups.kv_groups:
                 if j < len(block_ids[group]) and block_ids[group][j] != 0:
-                    transfers.append(BlockTransfer(group, block_ids[group][j], keys.key(j), keys.base_key(j)))
+                    transfers.append(
+                        BlockTransfer(group, block_ids[group][j], keys.key(j), keys.base_key(j), packed)
+                    )
         tracked.next_save_block = max(tracked.next_save_block, upto)
         if self.config.audit:
             tracked.saved.extend(transfers)

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtag.v1 import store_pb2 as pb
@@ -34,6 +34,8 @@ class PendingPut:
     # Shared-memory path: the values already sit in store slots (StoreClient.reserve); committing is
     # what is left. `items` is then empty.
     reservation: SharedPut | None = None
+    # Each item's token ids (BlockTransfer.tokens), or none.
+    token_ids: list[bytes] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +146,7 @@ class Saver:
             return
         for start in range(0, len(work.items), self._batch):
             batch = work.items[start : start + self._batch]
-            statuses = client.put(batch)
+            statuses = client.put(batch, work.token_ids[start : start + self._batch])
             if statuses is None:
                 # The client counted the failed call itself (degraded_calls); this counts the blocks.
                 self._stats.add("dropped_saves", len(batch))

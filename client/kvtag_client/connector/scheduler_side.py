@@ -53,7 +53,7 @@ class SchedulerSide:
         self.lookahead_hasher = lookahead_hasher
         self.legacy_hasher = legacy_hasher
         self._requests: dict[str, RequestState] = {}
-        self.planner = SavePlanner(config, geometry, groups, stats)
+        self.planner = SavePlanner(config, geometry, groups, stats, lambda: client.wants_token_ids)
         self._ready_loads: list[LoadJob] = []
         # req_id -> {engine block id: request block index} of this step's synchronous loads, to map
         # the block ids a worker reports failed back to the blocks to save again.

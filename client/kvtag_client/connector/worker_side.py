@@ -145,7 +145,8 @@ class WorkerSide:
                 PutItem(t.group, t.key, gather(self._views[t.group], t.block_id), t.base_key)
                 for t in transfers
             ]
-            self.saver.submit(PendingPut(job.req_id, items))
+            tokens = [t.tokens for t in transfers] if any(t.tokens for t in transfers) else []
+            self.saver.submit(PendingPut(job.req_id, items, token_ids=tokens))
         if job.audit:
             engine = [
                 (t.group, t.key, gather(self._views[t.group], t.block_id))
@@ -165,7 +166,7 @@ class WorkerSide:
         nbytes = sum(item.length for item in sized)
         if not self.saver.admit(nbytes, len(sized)):
             return
-        reservation = client.reserve(sized)
+        reservation = client.reserve(sized, [t.tokens for t in transfers] if transfers[0].tokens else ())
         if reservation is None:
             self.saver.withdraw(nbytes)
             self._stats.add("dropped_saves", len(sized))

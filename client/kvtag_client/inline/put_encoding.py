@@ -22,8 +22,11 @@ def _length_delimited(tag: bytes, payload: bytes) -> bytes:
     return tag + encode_varint(len(payload)) + payload
 
 
-def encode_put_request(session_id: str, items: Sequence[PutItemFields]) -> bytes:
-    """PutRequest{session_id, items: [PutItem{block: BlockRef{key, group, base_key}, value}]}.
+def encode_put_request(
+    session_id: str, items: Sequence[PutItemFields], token_ids: Sequence[bytes] = ()
+) -> bytes:
+    """PutRequest{session_id, items: [PutItem{block: BlockRef{key, group, base_key, token_ids}, value}]}
+    (`token_ids`: one per item, or none).
 
     Fields equal to their proto3 default are left out as the generated code does
     (empty session id, group 0, empty key or base key); `block` and `value` are
@@ -33,7 +36,8 @@ def encode_put_request(session_id: str, items: Sequence[PutItemFields]) -> bytes
     append = parts.append
     if session_id:
         append(_length_delimited(b"\x0a", session_id.encode("utf-8")))
-    for group, key, value, base_key in items:
+    for n, (group, key, value, base_key) in enumerate(items):
+        tokens = token_ids[n] if token_ids else b""
         if not 0 <= group < 1 << 32:
             raise ValueError(f"group {group} is not a uint32")
         block = b"".join(
@@ -41,6 +45,7 @@ def encode_put_request(session_id: str, items: Sequence[PutItemFields]) -> bytes
                 _length_delimited(b"\x0a", key) if key else b"",
                 b"\x10" + encode_varint(group) if group else b"",
                 _length_delimited(b"\x1a", base_key) if base_key else b"",
+                _length_delimited(b"\x22", tokens) if tokens else b"",
             )
         )
         head = b"\x0a" + encode_varint(len(block)) + block + b"\x12" + encode_varint(len(value))

@@ -38,7 +38,7 @@ class InlinePath:
         # The largest value seen so far (or the hint): it sizes Get messages and their deadline.
         self._value_bytes_estimate = block_bytes_hint
 
-    def put(self, items: Sequence[PutItemFields]) -> list[int] | None:
+    def put(self, items: Sequence[PutItemFields], token_ids: Sequence[bytes] = ()) -> list[int] | None:
         """put() in gRPC messages (see StoreClient.put)."""
         results: list[int] = [pb.PUT_STATUS_UNSPECIFIED] * len(items)
         if self.session.connected_id() is None:
@@ -62,7 +62,14 @@ class InlinePath:
         answered = [False]
 
         def rpc(sid: str, timeout: float) -> None:
-            encoded = (encode_put_request(sid, [self._put_fields(items[n]) for n in m]) for m in messages)
+            encoded = (
+                encode_put_request(
+                    sid,
+                    [self._put_fields(items[n]) for n in m],
+                    [token_ids[n] for n in m] if token_ids else (),
+                )
+                for m in messages
+            )
             for message, response in zip(
                 messages, _pipelined(self.session.put_raw, encoded, timeout), strict=True
             ):

@@ -44,12 +44,12 @@ class SharedMemoryPath:
         attached = self._attached
         return attached[1] if attached is not None and attached[0] == session_id else None
 
-    def reserve(self, items: Sequence[SizedItemFields]) -> SharedPut | None:
+    def reserve(self, items: Sequence[SizedItemFields], token_ids: Sequence[bytes] = ()) -> SharedPut | None:
         """See StoreClient.reserve."""
         arena = self.arena()
         if arena is None or not items:
             return None
-        return self.puts.reserve(arena, items)
+        return self.puts.reserve(arena, items, token_ids)
 
     def get_into(
         self,

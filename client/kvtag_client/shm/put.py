@@ -33,6 +33,7 @@ class SharedPut:
     generations: list[int | None]  # of each granted slot: it names the reservation at commit
     digests: list[int | None]
     spare: bool = False  # the slots are spare ones: the commit binds them to their keys
+    token_ids: Sequence[bytes] = ()  # one per item, or none (sent with the keys, for KV events)
 
     def digest(self, index: int) -> int:
         digest = self.digests[index]
@@ -56,7 +57,9 @@ class SharedPuts:
         self.spares = spares
         self._digest_thread = digest_thread
 
-    def reserve(self, arena: ArenaMapping, items: Sequence[SizedItemFields]) -> SharedPut | None:
+    def reserve(
+        self, arena: ArenaMapping, items: Sequence[SizedItemFields], token_ids: Sequence[bytes] = ()
+    ) -> SharedPut | None:
         """Slots for a put of `items` (at least one) in `arena`, or None when the store failed (the
         items are then counted as dropped)."""
         caller = self.caller
@@ -70,7 +73,7 @@ class SharedPuts:
                 sendable.append(n)
             else:
                 statuses[n] = pb.REJECTED
-        spared = self._reserve_spare(arena, items, sendable, statuses)
+        spared = self._reserve_spare(arena, items, sendable, statuses, token_ids)
         if spared is not None:
             return spared
         deadline = caller.deadline()
@@ -84,7 +87,10 @@ class SharedPuts:
                 reserve_request = pb.ReserveSlotsRequest(packed_lengths=[items[n][2] for n in chunk])
                 add_runs(
                     reserve_request.packed_items,
-                    pack_blocks([(items[n][0], items[n][1], base_key(items[n][3])) for n in chunk]),
+                    pack_blocks(
+                        [(items[n][0], items[n][1], base_key(items[n][3])) for n in chunk],
+                        [token_ids[n] for n in chunk] if token_ids else (),
+                    ),
                 )
 
                 def rpc(
@@ -121,6 +127,7 @@ class SharedPuts:
         items: Sequence[SizedItemFields],
         sendable: list[int],
         statuses: list[int],
+        token_ids: Sequence[bytes],
     ) -> SharedPut | None:
         """The put in spare slots an earlier commit was granted, with no round trip: only when there
         is a fresh one of the right length for every item (and they fit one commit). Items already
@@ -140,7 +147,9 @@ class SharedPuts:
         except ValueError:  # not this mapping's: the session ended and left them behind
             self.spares.clear()
             return None
-        return SharedPut(session_id, list(items), statuses, slots, generations, [None] * len(items), True)
+        return SharedPut(
+            session_id, list(items), statuses, slots, generations, [None] * len(items), True, token_ids
+        )
 
     def write_slots(self, reservation: SharedPut, fill: Callable[[int, memoryview], None]) -> None:
         """fill(index, slot) for each granted slot of a reservation, each digested right after, from
@@ -182,9 +191,13 @@ class SharedPuts:
                 )
                 if reservation.spare:  # the keys the spare slots are for
                     keyed = [reservation.items[n] for n in chunk]
+                    tokens = reservation.token_ids
                     add_runs(
                         request.packed_items,
-                        pack_blocks([(g, key, caller.base_key(base)) for g, key, _, base in keyed]),
+                        pack_blocks(
+                            [(g, key, caller.base_key(base)) for g, key, _, base in keyed],
+                            [tokens[n] for n in chunk] if tokens else (),
+                        ),
                     )
                 if last:
                     request.spare_lengths.extend(ask)

@@ -244,6 +244,8 @@ class PutItemView:
     payload: str | None
     # A view into the request's bytes (no copy; the backend copies it into the store), or bytes.
     value: bytes | memoryview
+    # BlockRef.token_ids (KV events), or empty.
+    token_ids: bytes = b""
 
 
 @dataclass(slots=True)
@@ -270,6 +272,7 @@ def put_from_message(message: pb.PutRequest) -> PutBatch:
             base_key=item.block.base_key,
             payload=item.WhichOneof("payload"),
             value=item.value,
+            token_ids=item.block.token_ids,
         )
         for item in message.items
     ]
@@ -339,19 +342,21 @@ def _parse_block(view: memoryview, pos: int, end: int, item: PutItemView) -> Non
     while pos < end:
         tag, pos = varint(view, pos)
         field, wire_type = tag >> 3, tag & 7
-        if field in (1, 3) and wire_type == 2:
+        if field in (1, 3, 4) and wire_type == 2:
             length, pos = varint(view, pos)
             if pos + length > end:
                 raise Irregular
             if field == 1:
                 item.key = bytes(view[pos : pos + length])
-            else:
+            elif field == 3:
                 item.base_key = bytes(view[pos : pos + length])
+            else:
+                item.token_ids = bytes(view[pos : pos + length])
             pos += length
         elif field == 2 and wire_type == 0:
             group, pos = varint(view, pos)
             item.group = group & 0xFFFFFFFF
-        elif field in (1, 2, 3):
+        elif field in (1, 2, 3, 4):
             raise Irregular
         else:
             pos = skip(view, pos, wire_type)

@@ -27,6 +27,7 @@ from kvtag_store.api.reads import Reads
 from kvtag_store.api.reaper import Reaper
 from kvtag_store.api.session_desk import SessionDesk
 from kvtag_store.api.slots import Slots
+from kvtag_store.api.tokens import TokenSink
 from kvtag_store.api.writes import Writes
 from kvtag_store.backends.base import BlockBackend, Capabilities, CensusStore, ReadResult
 from kvtag_store.config import ServiceConfig
@@ -84,6 +85,8 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
         self.max_value_bytes = value_limit.max_value_bytes
         self.counting = counting = Counting(self.census, metrics)
         leases = Leases(self.sessions, backend)
+        # Token ids sent with puts, for KV events; app.server connects it when events start.
+        self.tokens = TokenSink()
         self.slots = Slots(
             self.capabilities.shared_memory,
             self.sessions,
@@ -93,6 +96,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             value_limit,
             self.limits,
             config.default_lease_ms,
+            self.tokens,
         )
         self._next_reclaim = 0.0
         self.desk = SessionDesk(
@@ -108,13 +112,16 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             replies.limits(self.limits, value_limit.max_value_bytes),
             config.session_ttl_ms,
             self.reclaim_namespaces,
+            self.tokens,
         )
         self.leases = leases
         self.lookups = Lookups(backend, self.capabilities, leases, counting, self.base_index, config)
         self.reads = Reads(
             backend, self.capabilities.views, leases, counting, self.admission, self.limits, message_budget
         )
-        self.writes = Writes(backend, self.sessions, counting, self.base_index, value_limit, self.limits)
+        self.writes = Writes(
+            backend, self.sessions, counting, self.base_index, value_limit, self.limits, self.tokens
+        )
         self.reaper = Reaper.for_ttl(self.reap, config.session_ttl_ms)
         # Told the namespaces each sweep forgot, so what they keep per namespace goes with the census's.
         self.forget_listeners: list[Callable[[list[str]], None]] = []

@@ -16,6 +16,7 @@ from kvtag_store.api import validation
 from kvtag_store.api.counting import Counting
 from kvtag_store.api.leases import Leases
 from kvtag_store.api.slots import Slots
+from kvtag_store.api.tokens import TokenSink
 from kvtag_store.backends.base import Forgetting, TenantAware
 from kvtag_store.config import ServiceLimits
 from kvtag_store.policy.census import Census
@@ -41,6 +42,7 @@ class SessionDesk:
         limits_message: pb.Limits,
         session_ttl_ms: int,
         reclaim: Callable[[], bool] = lambda: False,
+        tokens: TokenSink | None = None,
     ) -> None:
         """`tenants`: the backend when it keeps tenants apart (told each namespace's tenant), else None.
         `forgetting`: the backend when it holds memory per tenant (admit_tenant), else None.
@@ -57,6 +59,7 @@ class SessionDesk:
         self.limits_message = limits_message
         self.session_ttl_ms = session_ttl_ms
         self.reclaim = reclaim
+        self.tokens = tokens or TokenSink()
 
     def find(self, session_id: str, context: grpc.ServicerContext, rpc: str) -> Session:
         """The caller's live session, its deadline renewed. One of a tenant the caller's token does not
@@ -116,6 +119,7 @@ class SessionDesk:
             data_path=pb.DATA_PATH_INLINE,
             limits=self.limits_message,
             shared_memory_offer=offer,
+            wants_token_ids=self.tokens.wanted,
         )
 
     def close(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> None:

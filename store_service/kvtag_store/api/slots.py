@@ -14,10 +14,11 @@ from collections import Counter
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.api import codec, replies, validation
+from kvtag_store.api import codec, replies, tokens, validation
 from kvtag_store.api.counting import Counting, KeyTally
 from kvtag_store.api.leases import Leases
 from kvtag_store.api.outcomes import SESSION_ENDED, SETTLED, SHM_REFUSED, ValueLimit
+from kvtag_store.api.tokens import TokenSink
 from kvtag_store.backends.base import (
     NO_RESERVATION,
     BlockKey,
@@ -47,6 +48,7 @@ class Slots:
         value_limit: ValueLimit,
         limits: ServiceLimits,
         lease_ms: int,
+        token_sink: TokenSink | None = None,
     ) -> None:
         """`backend`: the backend when it offers shared memory, else None (every slot call is refused)."""
         self.backend = backend
@@ -57,6 +59,7 @@ class Slots:
         self.value_limit = value_limit
         self.limits = limits
         self.lease_ms = lease_ms
+        self.token_sink = token_sink or TokenSink()
 
     # -- the arena ------------------------------------------------------------
 
@@ -98,11 +101,13 @@ class Slots:
         """Shared-memory Put, step 1: a slot per item to write the value into, or its result at once
         (already present, conflict, too large)."""
         batch = codec.reserve_items(request, self.limits)
+        token_ids = tokens.slot_tokens(request)
         response = pb.ReserveSlotsResponse()
         backend = self._negotiated(session)
         if backend is None:
             replies.grants(response, batch.packed, [SHM_REFUSED] * len(batch.items))
             return response
+        self.token_sink.keep(session.namespace_id, token_ids)
         # The same per-item limit as an inline Put, so both paths give the same results.
         limit = self.value_limit.max_value_bytes
         reserved = iter(
@@ -155,6 +160,8 @@ class Slots:
                 "xxh3_64",
             )
         sent_digests = list(request.xxh3_64)
+        if keys is not None:
+            self.token_sink.keep(session.namespace_id, tokens.slot_tokens(request))
         held = self.sessions.take_reservations(session, generations)
         claimed = [g for g, ok in zip(generations, held, strict=True) if ok]
         digests = [d for d, ok in zip(sent_digests, held, strict=True) if ok] if sent_digests else None

@@ -8,6 +8,7 @@ from operator import itemgetter
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
+from kvtag_store.api.tokens import MAX_TOKEN_ID_BYTES
 from kvtag_store.backends.base import BlockAddress
 from kvtag_store.config import ServiceLimits
 
@@ -166,6 +167,13 @@ def packed_runs(runs: Sequence[pb.PackedBlocks], name: str, limits: ServiceLimit
                 f"{field}.base_keys is {base} bytes: leave it empty or send one base key of one length "
                 f"(1..{limits.max_key_bytes} bytes) per key ({count} keys)",
                 f"{field}.base_keys",
+            )
+        held = len(run.token_ids)
+        if held and (held % count or (held // count) % 4 or held // count > MAX_TOKEN_ID_BYTES):
+            raise errors.invalid_request(
+                f"{field}.token_ids is {held} bytes: leave it empty or send the same number of uint32 "
+                f"token ids (4 bytes each, at most {MAX_TOKEN_ID_BYTES // 4}) for each of the {count} keys",
+                f"{field}.token_ids",
             )
         total += count
     batch_size(name, total, limits)

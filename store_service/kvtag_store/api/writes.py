@@ -10,10 +10,11 @@ from typing import Any
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.api import intake, replies, validation
+from kvtag_store.api import intake, replies, tokens, validation
 from kvtag_store.api.codec import PutBatch, PutItemView
 from kvtag_store.api.counting import Counting
 from kvtag_store.api.outcomes import NO_PAYLOAD, SETTLED, SHM_IN_PUT, SHM_REFUSED, ValueLimit
+from kvtag_store.api.tokens import TokenSink
 from kvtag_store.backends.base import BlockAddress, BlockBackend, BlockKey, Payload, PutOutcome, PutResult
 from kvtag_store.config import ServiceLimits
 from kvtag_store.policy.base_keys import BaseKeyIndex
@@ -34,8 +35,10 @@ class Writes:
         base_index: BaseKeyIndex,
         value_limit: ValueLimit,
         limits: ServiceLimits,
+        token_sink: TokenSink | None = None,
     ) -> None:
         self.backend = backend
+        self.token_sink = token_sink or TokenSink()
         self.sessions = sessions
         self.counting = counting
         self.base_index = base_index
@@ -88,6 +91,8 @@ class Writes:
         validation.batch_size("items", len(items), self.limits)
         for index, item in enumerate(items):
             validation.key(item.key, f"items[{index}].block.key", self.limits)
+            if item.token_ids:
+                tokens.check(item.token_ids, f"items[{index}].block.token_ids")
 
     def _put_items(self, session: Session, items: Sequence[PutItemView]) -> list[PutResult]:
         """All value items go to the backend in one put_many call (a batch backend amortises its round
@@ -109,6 +114,10 @@ class Writes:
             else:
                 outcomes[index] = NO_PAYLOAD
         if batch:
+            if self.token_sink.wanted:  # before the put: its BlockStored is published from another thread
+                self.token_sink.keep(
+                    ns_id, [(items[i].group, items[i].key, items[i].token_ids) for i in batch_index]
+                )
             stored = self.backend.put_many(ns_id, mode_id, batch)
             if len(stored) != len(batch):
                 raise RuntimeError(f"backend put_many returned {len(stored)} results for {len(batch)} items")

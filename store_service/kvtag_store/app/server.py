@@ -219,6 +219,7 @@ def start_server(
         publisher, access = start_events(
             events, backend, service.census.report, metrics.registry, tokens=security.tokens.enabled
         )
+        service.tokens.note = publisher.note_tokens
     if metrics_listen:
         source = StatusSource(service.census.report, backend.stats, history, pages=service.pages)
         routes = {ROUTE: event_sources_route(publisher, access, service.census.report)}

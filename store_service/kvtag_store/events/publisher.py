@@ -23,10 +23,11 @@ b"").
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -46,6 +47,8 @@ log = logging.getLogger("kvtag_store.events.publisher")
 BlockSizeOf = Callable[[str, str], int | None]
 # How long an unknown mode's block size is not asked for again.
 _UNKNOWN_RETRY_S = 1.0
+# Token notes held at most (~200 bytes each with 32-token blocks: ~3 MiB).
+MAX_TOKEN_NOTES = 16384
 _STORED, _REMOVED = True, False
 
 
@@ -86,6 +89,10 @@ class EventPublisher:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pending: deque[tuple[bool, str, str, BlockAddress, str]] = deque()
         self._limit = options.queue_events
+        # Token ids sent with puts, by (namespace, group, key), until the block's BlockStored takes them:
+        # oldest first out past the bound (a put answered ALREADY_PRESENT leaves its entry behind).
+        self._tokens: dict[tuple[str, int, bytes], bytes] = {}
+        self._tokens_lock = threading.Lock()
         self.dropped_events = 0
         self.missed_batches = 0
         self.replayed_batches = 0
@@ -147,6 +154,21 @@ class EventPublisher:
             return
         self._pending.append((_REMOVED, namespace_id, mode_id, address, tier))
 
+    def note_tokens(self, namespace_id: str, items: Sequence[tuple[int, bytes, bytes]]) -> None:
+        """(group, key, token_ids as uint32 little-endian) of blocks about to be stored: their
+        BlockStored carries the tokens. Called by the API before the put reaches the backend."""
+        with self._tokens_lock:
+            tokens = self._tokens
+            for group, key, token_ids in items:
+                tokens[(namespace_id, group, key)] = token_ids
+            while len(tokens) > MAX_TOKEN_NOTES:
+                del tokens[next(iter(tokens))]
+
+    def _token_ids(self, namespace_id: str, group: int, key: bytes) -> list[int]:
+        with self._tokens_lock:
+            token_ids = self._tokens.pop((namespace_id, group, key), None)
+        return list(struct.unpack(f"<{len(token_ids) // 4}I", token_ids)) if token_ids else []
+
     # -- the thread ------------------------------------------------------------
 
     def start(self) -> None:
@@ -204,7 +226,7 @@ class EventPublisher:
                     wire.BlockStored(
                         block_hashes=[key],
                         parent_block_hash=None,
-                        token_ids=[],
+                        token_ids=self._token_ids(namespace_id, group, key) if self._tokens else [],
                         block_size=self._block_size(namespace_id, mode_id),
                         lora_id=None,
                         medium=medium,

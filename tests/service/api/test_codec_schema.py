@@ -39,6 +39,7 @@ PINNED: dict[str, dict[str, tuple[int, int, bool, str]]] = {
         "keys": (2, LENGTH_DELIMITED, False, ""),
         "group": (3, VARINT, False, ""),
         "base_keys": (4, LENGTH_DELIMITED, False, ""),
+        "token_ids": (5, LENGTH_DELIMITED, False, ""),
     },
     "LookupResponse": {
         "prefix_length": (1, VARINT, False, ""),
@@ -47,11 +48,12 @@ PINNED: dict[str, dict[str, tuple[int, int, bool, str]]] = {
         "packed_statuses": (4, LENGTH_DELIMITED, False, ""),
     },
     # wire.parse_lookup's strided check (0x12 len 0x0a len key) and wire._parse_block;
-    # put_encoding writes 0x0a key, 0x10 group, 0x1a base_key.
+    # put_encoding writes 0x0a key, 0x10 group, 0x1a base_key, 0x22 token_ids.
     "BlockRef": {
         "key": (1, LENGTH_DELIMITED, False, ""),
         "group": (2, VARINT, False, ""),
         "base_key": (3, LENGTH_DELIMITED, False, ""),
+        "token_ids": (4, LENGTH_DELIMITED, False, ""),
     },
     # codec.parse_put / put_encoding: 0x0a session_id, 0x12 items.
     "PutRequest": {

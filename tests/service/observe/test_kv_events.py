@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import struct
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -29,7 +30,7 @@ from kvtag_store.events.subscriber import Received, Subscriber, fetch_sources
 from kvtag_store.security.options import Security
 from kvtag_store.security.tokens import TokenRegistry
 
-from tests.descriptors import mode, namespace
+from tests.descriptors import PROBE, mode, namespace
 from tests.net import free_port, wait_until
 
 from ..helpers import Store
@@ -65,9 +66,11 @@ def started(
     security: Security | None = None,
     disk_dir: Path | None = None,
     listen: str = "127.0.0.1:0",
+    shm_dir: Path | None = None,
 ) -> EventStore:
     backend = MemoryBackend(
         capacity,
+        shm_dir=str(shm_dir) if shm_dir is not None else None,
         disk_dir=str(disk_dir) if disk_dir is not None else None,
         disk_capacity=4 * capacity if disk_dir is not None else 0,
         prefault="lazy",
@@ -668,3 +671,96 @@ def test_a_memory_value_failing_its_checksum_is_removed_from_memory() -> None:
         ("stored", "ns", "mode-a", b"good", "memory"),
         ("removed", "ns", "mode-a", b"bad", "memory"),
     ]
+
+
+def _tokens(block: int, n: int = 32) -> list[int]:
+    return [block * 1000 + i for i in range(n)]
+
+
+def _packed(token_ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def test_token_ids_sent_with_a_put_reach_the_blocks_block_stored_and_sessions_are_told_to_send_them(
+    make_event_store: Callable[..., EventStore],
+) -> None:
+    event_store = make_event_store()
+    subscriber = event_store.subscribe()
+    opened = event_store.store.open()
+    assert opened.wants_token_ids, "a store publishing KV events asks for the token ids"
+    connected(subscriber, event_store, opened.session_id)
+    keys = [f"tok-{i}".encode() for i in range(4)]
+    items = [
+        pb.PutItem(
+            block=pb.BlockRef(key=k, token_ids=_packed(_tokens(i)) if i != 2 else b""), value=b"v" * 64
+        )
+        for i, k in enumerate(keys)
+    ]
+    put = event_store.store.stub.Put(pb.PutRequest(session_id=opened.session_id, items=items), timeout=5)
+    assert [r.status for r in put.results] == [pb.STORED] * 4
+    topic = wire.topic(opened.namespace_id, opened.mode_id)
+    batches = collect(subscriber, lambda got: len(events_of(got, wire.BlockStored, topic)) >= 4)
+    by_key = {e.block_hashes[0]: e for _, e in events_of(batches, wire.BlockStored, topic)}
+    assert [by_key[k].token_ids for k in keys] == [_tokens(0), _tokens(1), [], _tokens(3)]
+
+
+def test_token_ids_of_a_shared_memory_put_reach_block_stored(
+    make_event_store: Callable[..., EventStore], tmp_path: Path
+) -> None:
+    from kvtag_client.store import StoreClient
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    event_store = make_event_store(shm_dir=shm)
+    subscriber = event_store.subscribe()
+    client = StoreClient(
+        event_store.server.address,
+        engine_id="tokens-shm",
+        namespace=namespace(),
+        mode=mode(),
+        probe_keys=list(PROBE),
+    )
+    try:
+        client.open()
+        assert client.wants_token_ids
+        connected(subscriber, event_store, event_store.store.open().session_id)
+        keys = [f"shm-tok-{i}".encode() for i in range(6)]
+        values = [bytes([i]) * (64 << 10) for i in range(6)]
+        assert client.data_path == "shared_memory"
+        results = client.put(
+            [(0, k, v, b"") for k, v in zip(keys, values, strict=True)],
+            [_packed(_tokens(i)) for i in range(6)],
+        )
+        assert results == [pb.STORED] * 6
+        topic = wire.topic(client.namespace_id, client.mode_id)
+        batches = collect(subscriber, lambda got: len(events_of(got, wire.BlockStored, topic)) >= 6)
+        by_key = {e.block_hashes[0]: e for _, e in events_of(batches, wire.BlockStored, topic)}
+        assert [by_key[k].token_ids for k in keys] == [_tokens(i) for i in range(6)]
+    finally:
+        client.close()
+
+
+def test_token_ids_that_are_not_whole_uint32s_are_refused_and_nothing_is_stored(
+    make_event_store: Callable[..., EventStore],
+) -> None:
+    event_store = make_event_store()
+    opened = event_store.store.open()
+    bad = pb.PutItem(block=pb.BlockRef(key=b"odd", token_ids=b"\x01\x02\x03"), value=b"v")
+    with pytest.raises(grpc.RpcError) as refused:
+        event_store.store.stub.Put(pb.PutRequest(session_id=opened.session_id, items=[bad]), timeout=5)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids" in (refused.value.details() or "")
+    assert event_store.store.lookup(opened.session_id, b"odd").statuses == [pb.MISS]
+
+
+def test_a_store_without_events_does_not_ask_for_token_ids() -> None:
+    backend = MemoryBackend(8 << 20)
+    server = start_server(backend, MemoryCensus(), ServiceConfig(), listen="127.0.0.1:0")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = store_pb2_grpc.KvStoreStub(channel)  # type: ignore[no-untyped-call]
+        store = Store(server=server, stub=stub, backend=backend, channel=channel)
+        assert not store.open().wants_token_ids
+    finally:
+        channel.close()
+        server.stop(grace=0)

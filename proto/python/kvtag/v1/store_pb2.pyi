@@ -202,7 +202,7 @@ class CensusWarning(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., message: _Optional[str] = ..., other_mode_id: _Optional[str] = ..., diffs: _Optional[_Iterable[_Union[FieldDiff, _Mapping]]] = ..., other_namespace_id: _Optional[str] = ..., other_namespace: _Optional[_Union[NamespaceDescriptor, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "mode_id", "policy", "warnings", "session_ttl_ms", "data_path", "limits", "shared_memory_offer")
+    __slots__ = ("session_id", "namespace_id", "mode_id", "policy", "warnings", "session_ttl_ms", "data_path", "limits", "shared_memory_offer", "wants_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class OpenSessionResponse(_message.Message):
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_OFFER_FIELD_NUMBER: _ClassVar[int]
+    WANTS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: str
     mode_id: str
@@ -221,7 +222,8 @@ class OpenSessionResponse(_message.Message):
     data_path: DataPath
     limits: Limits
     shared_memory_offer: SharedMemoryOffer
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., mode_id: _Optional[str] = ..., policy: _Optional[_Union[Policy, str]] = ..., warnings: _Optional[_Iterable[_Union[CensusWarning, _Mapping]]] = ..., session_ttl_ms: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., shared_memory_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ...) -> None: ...
+    wants_token_ids: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[str] = ..., mode_id: _Optional[str] = ..., policy: _Optional[_Union[Policy, str]] = ..., warnings: _Optional[_Iterable[_Union[CensusWarning, _Mapping]]] = ..., session_ttl_ms: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., shared_memory_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., wants_token_ids: _Optional[bool] = ...) -> None: ...
 
 class AttachSharedMemoryRequest(_message.Message):
     __slots__ = ("session_id", "nonce")
@@ -374,26 +376,30 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockRef(_message.Message):
-    __slots__ = ("key", "group", "base_key")
+    __slots__ = ("key", "group", "base_key", "token_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BASE_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     group: int
     base_key: bytes
-    def __init__(self, key: _Optional[bytes] = ..., group: _Optional[int] = ..., base_key: _Optional[bytes] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, key: _Optional[bytes] = ..., group: _Optional[int] = ..., base_key: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class PackedBlocks(_message.Message):
-    __slots__ = ("key_length", "keys", "group", "base_keys")
+    __slots__ = ("key_length", "keys", "group", "base_keys", "token_ids")
     KEY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BASE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key_length: int
     keys: bytes
     group: int
     base_keys: bytes
-    def __init__(self, key_length: _Optional[int] = ..., keys: _Optional[bytes] = ..., group: _Optional[int] = ..., base_keys: _Optional[bytes] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, key_length: _Optional[int] = ..., keys: _Optional[bytes] = ..., group: _Optional[int] = ..., base_keys: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("session_id", "blocks", "lease_ms", "packed_blocks")
