@@ -57,6 +57,9 @@ def test_a_companions_sampled_misses_count_against_another_companions_stored_bas
     # base-3 in group 1 is another block than base-3 in group 0; "cold" nobody stored.
     assert mine.counters.cross_mode_misses == 2
     assert [(x.held_by_mode_id, x.count) for x in mine.cross_mode_misses] == [(legacy.mode_id, 2)]
+    registry = store.server.service.metrics.registry
+    assert registry.get_sample_value("kvtag_cross_mode_misses_total") == 2
+    assert registry.get_sample_value("kvtag_usage_base_keys_dropped_total") == 5
     # The same mode's own stored keys are never its cross-mode misses.
     _heartbeat(store, legacy.session_id, pb.UsageReport(missed_blocks=1, missed_base_keys=_blocks(b"base-1")))
     assert _modes(store)[legacy.mode_id].counters.cross_mode_misses == 0
