@@ -418,11 +418,10 @@ def test_a_refused_engine_hands_the_peer_no_load_and_no_save(
     assert metadata.requests == [] and not metadata.unfinished_request_ids
     assert refused.peer_lookups.lookups == 0, "no lookup reached the peer"
     assert not refused.connector.has_pending_push_work()
-    refused.step()  # the request finishes; still nothing for the peer
-    assert refused.scheduler.requests == {} or "r" not in refused.scheduler.requests
+    # Prefilled and sampled in one step, finished, and freed at once (no free delayed for a save).
+    assert "r" not in refused.scheduler.requests
+    assert refused.step().requests == []  # the next step's metadata: still nothing for the peer
     assert refused.connector.inner.connector_scheduler._unfinished_requests == {}
-    # Its peer never saves: nothing stored is counted for the refused mode.
-    assert refused.connector.client.state.name == "REFUSED"
     # Control: the admitted engine's peer does get save work for the same prompt.
     first.add("r", fresh_prompt(3 * B + 2))
     assert _save_jobs(first.step())
@@ -453,3 +452,31 @@ def test_the_peers_transfer_stats_are_forwarded_and_rebuilt_as_the_peers(
     logged: list[str] = []
     logging_.log(lambda fmt, *args: logged.append(fmt % args))
     assert any("save_put_total_keys" in line for line in logged), logged
+
+
+def test_a_companions_prometheus_metrics_are_the_peers(
+    build: Callable[..., Any], store: StoreProcess
+) -> None:
+    """vLLM builds the connector's Prometheus metrics from the engine's config and feeds them the
+    stats data: for a companion, the peer's metrics read the peer's data."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def on(kind: Any) -> Any:
+        return lambda **kwargs: kind(registry=registry, **kwargs)
+
+    connector = build(store.endpoint, eagle=True, engine_id="companion-prom")
+    metric_types = {
+        prometheus_client.Gauge: on(prometheus_client.Gauge),
+        prometheus_client.Counter: on(prometheus_client.Counter),
+        prometheus_client.Histogram: on(prometheus_client.Histogram),
+    }
+    metrics = KvtagConnector.build_prom_metrics(connector.vc, metric_types, ["engine"], {0: ["0"]})
+    assert type(metrics).__name__ == "MooncakeStorePromMetrics"
+    record = {"duration_seconds": 0.002, "num_keys": 3, "num_bytes": 3 << 20, "num_failed_keys": 0}
+    metrics.observe({"save_put": [dict(record, status="ok")]}, 0)
+    keys = registry.get_sample_value(
+        "vllm:mooncake_store_operation_keys_total", {"engine": "0", "operation": "save_put", "status": "ok"}
+    )
+    assert keys == 3
