@@ -206,9 +206,10 @@ class PeerLookups:
         from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import get_zmq_rpc_path_lookup
 
         self._answer = encode_lookup_response(MooncakeLookupResult(hit_tokens))
+        self._path = get_zmq_rpc_path_lookup(vllm_config)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
-        self._socket.bind(get_zmq_rpc_path_lookup(vllm_config))
+        self._socket.bind(self._path)
         self._stop = threading.Event()
         self.lookups = 0
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -226,6 +227,7 @@ class PeerLookups:
         self._thread.join(5)
         self._socket.close(linger=0)
         self._context.term()
+        Path(self._path.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 @dataclasses.dataclass
