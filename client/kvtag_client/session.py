@@ -20,6 +20,7 @@ from kvtag_proto.ids import namespace_id as derive_namespace_id
 from kvtag_client.deadlines import Deadline
 from kvtag_client.errors import AUTH_CODES, CallFailed, is_session_gone, status_code
 from kvtag_client.logs import log
+from kvtag_client.usage import BaseKey, PendingUsage
 
 # Limits assumed until OpenSession returns the server's own.
 _DEFAULT_LIMITS = pb.Limits(
@@ -102,7 +103,7 @@ class Session:
         self.refusal_error: KvtagError | None = None
         self.warnings: list[pb.CensusWarning] = []
         self.counters = ClientCounters()
-        self._usage = pb.UsageReport()  # add_usage: counts not yet acknowledged by the store
+        self.usage = PendingUsage()  # add_usage: what the store has not acknowledged yet
         self.limits = pb.Limits()
         self.limits.CopyFrom(_DEFAULT_LIMITS)
         self.session_ttl_ms = 0
@@ -327,16 +328,29 @@ class Session:
             except Exception:  # the thread must survive anything; the next period tries again
                 log.exception("kvtag store client maintenance failed")
 
-    def add_usage(self, *, lookups: int = 0, hits: int = 0, misses: int = 0, stored: int = 0) -> None:
+    def add_usage(
+        self,
+        *,
+        lookups: int = 0,
+        hits: int = 0,
+        misses: int = 0,
+        stored: int = 0,
+        stored_base_keys: Sequence[BaseKey] = (),
+        missed_base_keys: Sequence[BaseKey] = (),
+    ) -> None:
         """Counts of a data path that bypasses the store (the companion mode), sent with the next
-        heartbeat. Sums, not a queue: memory stays constant and nothing waits or is dropped; counts the
-        store never acknowledged (it was down) go with the first heartbeat after it returns."""
-        with self._lock:
-            usage = self._usage
-            usage.lookups += lookups
-            usage.hit_blocks += hits
-            usage.missed_blocks += misses
-            usage.stored_blocks += stored
+        heartbeat; counts the store never acknowledged (it was down) go with the first heartbeat after
+        it returns. The base keys are bounded lists (usage.PendingUsage): past the bound they are
+        dropped and counted, never waited for."""
+        self.usage.add(
+            lookups=lookups,
+            hits=hits,
+            misses=misses,
+            stored=stored,
+            stored_base_keys=stored_base_keys,
+            missed_base_keys=missed_base_keys,
+            max_key_bytes=self.limits.max_key_bytes,
+        )
 
     def flush_usage(self) -> bool:
         """Send the pending usage now (a heartbeat); True once the store has it."""
@@ -346,32 +360,26 @@ class Session:
             return False
         with contextlib.suppress(CallFailed):
             self._heartbeat(session_id)
-        with self._lock:
-            return not self._usage.ByteSize()
+        return self.usage.empty()
 
     def _heartbeat(self, session_id: str) -> None:
-        with self._lock:
-            usage = pb.UsageReport()
-            usage.CopyFrom(self._usage)
-        request = pb.HeartbeatRequest(session_id=session_id)
-        if usage.ByteSize():
-            request.usage.CopyFrom(usage)
-        try:
-            response = self.stub.Heartbeat(request, timeout=self.rpc_timeout_s)
-        except grpc.RpcError as err:
-            if is_session_gone(err):
-                self.open_session(Deadline(self.rpc_timeout_s), stale_session=session_id)
-            else:
-                self.mark_outage(status_code(err), err)
-            return
+        with self.usage.sending:
+            usage = self.usage.report()
+            request = pb.HeartbeatRequest(session_id=session_id)
+            if usage.ByteSize():
+                request.usage.CopyFrom(usage)
+            try:
+                response = self.stub.Heartbeat(request, timeout=self.rpc_timeout_s)
+            except grpc.RpcError as err:
+                if is_session_gone(err):
+                    self.open_session(Deadline(self.rpc_timeout_s), stale_session=session_id)
+                else:
+                    self.mark_outage(status_code(err), err)
+                return
+            self.usage.acknowledge(usage)
         with self._lock:
             if response.session_ttl_ms:
                 self.session_ttl_ms = response.session_ttl_ms
-            pending = self._usage
-            pending.lookups -= usage.lookups
-            pending.hit_blocks -= usage.hit_blocks
-            pending.missed_blocks -= usage.missed_blocks
-            pending.stored_blocks -= usage.stored_blocks
 
     def _recover(self, session_id: str) -> None:
         """Back from an outage: keep the old session if the store still knows it, else open a new one."""
@@ -402,14 +410,15 @@ class Session:
         self._wake.set()
         with self._lock:
             session_id = self.session_id if self.state is StoreState.CONNECTED else ""
-            usage = pb.UsageReport()
-            usage.CopyFrom(self._usage)
-        if session_id and usage.ByteSize():  # the last counts, before the session ends
-            with contextlib.suppress(grpc.RpcError):
-                self.stub.Heartbeat(
-                    pb.HeartbeatRequest(session_id=session_id, usage=usage),
-                    timeout=min(self.rpc_timeout_s, 0.5),
-                )
+        with self.usage.sending:
+            usage = self.usage.report()
+            if session_id and usage.ByteSize():  # the last counts, before the session ends
+                with contextlib.suppress(grpc.RpcError):
+                    self.stub.Heartbeat(
+                        pb.HeartbeatRequest(session_id=session_id, usage=usage),
+                        timeout=min(self.rpc_timeout_s, 0.5),
+                    )
+                    self.usage.acknowledge(usage)
         if session_id:
             with contextlib.suppress(grpc.RpcError):
                 self.stub.CloseSession(

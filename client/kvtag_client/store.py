@@ -26,6 +26,7 @@ from kvtag_client.session import ClientCounters, Session, StoreState
 from kvtag_client.shm.mapping import copy_into
 from kvtag_client.shm.path import SharedMemoryPath
 from kvtag_client.shm.put import SharedPut
+from kvtag_client.usage import BaseKey
 
 __all__ = [
     "ClientCounters",
@@ -147,10 +148,28 @@ class StoreClient:
         """Stop the background threads, close the session (best effort) and the channel. Idempotent."""
         self.session.close()
 
-    def report_usage(self, *, lookups: int = 0, hits: int = 0, misses: int = 0, stored: int = 0) -> None:
+    def report_usage(
+        self,
+        *,
+        lookups: int = 0,
+        hits: int = 0,
+        misses: int = 0,
+        stored: int = 0,
+        stored_base_keys: Sequence[BaseKey] = (),
+        missed_base_keys: Sequence[BaseKey] = (),
+    ) -> None:
         """Blocks another data path looked up, hit, missed and stored (the companion mode), for the
-        store's census; sent with the session's heartbeats, never on the caller's thread."""
-        self.session.add_usage(lookups=lookups, hits=hits, misses=misses, stored=stored)
+        store's census, with the (group, base key) of stored blocks and of a sample of missed ones, for
+        its cross-mode misses (bounded: see usage.PendingUsage); sent with the session's heartbeats,
+        never on the caller's thread."""
+        self.session.add_usage(
+            lookups=lookups,
+            hits=hits,
+            misses=misses,
+            stored=stored,
+            stored_base_keys=stored_base_keys,
+            missed_base_keys=missed_base_keys,
+        )
 
     def flush_usage(self) -> bool:
         """Send the reported usage now; True once the store has it (False while it is unreachable)."""

@@ -13,12 +13,15 @@ import copy
 import dataclasses
 import inspect
 import logging
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvtag_proto import ids
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole, SupportsHMA
 
 from . import compat, conformance, namespace
+from .companion_census import CompanionCensus
 from .config import KvtagConfig, parse
 from .logs import route_through_vllm
 from .store_session import open_client, recompute_failed_loads
@@ -28,7 +31,27 @@ logger = logging.getLogger("kvtag.connector")
 PEER = "MooncakeStoreConnector"
 # Hooks kvtag itself implements for the companion; every other instance hook of the base classes that the
 # peer has is the peer's own bound method (forward_hooks).
-_OWN = frozenset({"get_num_new_matched_tokens", "shutdown", "get_kv_connector_stats"})
+_OWN = frozenset(
+    {
+        "get_num_new_matched_tokens",
+        "shutdown",
+        "get_kv_connector_stats",
+        "build_connector_meta",
+        "request_finished",
+        "request_finished_all_groups",
+    }
+)
+# A refused engine's scheduler hooks (where the peer has them): the peer's scheduler never hears of a
+# request, so it plans no load and no save; its worker gets valid, empty metadata every step.
+_REFUSED: dict[str, Callable[..., Any]] = {
+    "update_state_after_alloc": lambda *args, **kwargs: None,
+    "request_finished": lambda *args, **kwargs: (False, None),
+    "request_finished_all_groups": lambda *args, **kwargs: (False, None),
+    "register_finished_partial_tail": lambda *args, **kwargs: False,
+    "update_connector_output": lambda *args, **kwargs: None,
+    "take_events": lambda *args, **kwargs: iter(()),
+    "has_pending_push_work": lambda *args, **kwargs: False,
+}
 
 
 def wanted(kv_transfer_config: Any) -> bool:
@@ -51,6 +74,17 @@ def peer_class() -> Any:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     return KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector=PEER, kv_role="kv_both"))
+
+
+def peer_metadata_class() -> Any:
+    """The metadata class the peer's worker asserts on (MooncakeStoreConnectorMetadata, 0.32-0.34)."""
+    return sys.modules[peer_class().__module__].MooncakeStoreConnectorMetadata
+
+
+def peer_stats_data(data: dict[str, Any]) -> bool:
+    """Whether stats data are the peer's (MooncakeStoreConnectorStats: lists of per-operation records)
+    rather than kvtag's own counters (numbers)."""
+    return all(isinstance(value, list) for value in data.values())
 
 
 def peer_answer(hook: str, kv_transfer_config: Any, default: Any) -> Any:
@@ -110,6 +144,7 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         self.inner = peer_class()(peer_config, role, kv_cache_config)
         forward_hooks(self, self.inner)
         self.client = None
+        self.census: CompanionCensus | None = None
         self.refused = False
         if role == KVConnectorRole.SCHEDULER and self.conformance.ok:
             # Admission before any request, as for the kvtag data path; an unreachable store only logs,
@@ -129,11 +164,21 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                     "data_path": PEER,
                 },
             )
+            self.census = CompanionCensus(
+                self.client.report_usage,
+                vllm_config,
+                self.block_size,
+                geometry.hash_block_size,
+                self.lookahead_tokens,
+            )
             self.refused = self.client.state.name == "REFUSED"
             if self.refused:
+                for name, answer in _REFUSED.items():
+                    if hasattr(self.inner, name):
+                        setattr(self, name, answer)
                 logger.error(
                     "kvtag: the store refused this engine's hashing mode (see the refusal above); it runs "
-                    "without external KV: no lookups through %s",
+                    "without external KV: no lookups and no saves through %s",
                     PEER,
                 )
         logger.info(
@@ -148,23 +193,35 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         if self.refused:
             return 0, False
         tokens, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        if tokens is not None and self.client is not None:
-            asked = max(
-                (request.num_tokens - 1) // self.block_size - num_computed_tokens // self.block_size, 0
-            )
-            hits = min(tokens // self.block_size, asked)
-            self.client.report_usage(lookups=1, hits=hits, misses=asked - hits)
+        if tokens is not None and self.census is not None:
+            self.census.looked_up(request, num_computed_tokens, tokens)
         return tokens, load_async
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """The peer's metadata, whose save jobs the census counts as stored; a refused engine's is the
+        peer's type with nothing in it (the peer's scheduler never heard of a request)."""
+        if self.refused:
+            return peer_metadata_class()(set(), set())
+        metadata = self.inner.build_connector_meta(scheduler_output)
+        if self.census is not None:
+            for req_id in getattr(scheduler_output, "finished_req_ids", ()):
+                self.census.finished(req_id)
+            self.census.offered(metadata)
+        return metadata
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> Any:
+        if self.census is not None:
+            self.census.finished(request.request_id)
+        return self.inner.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
+        if self.census is not None:
+            self.census.finished(request.request_id)
+        return self.inner.request_finished_all_groups(request, block_ids)
 
     # The abstract hooks, defined so the class can be built; forward_hooks binds the peer's over them.
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return self.inner.build_connector_meta(scheduler_output)
-
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
-        return self.inner.request_finished_all_groups(request, block_ids)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.inner.start_load_kv(forward_context, **kwargs)
@@ -183,9 +240,9 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
         return bool(self.inner.requires_kv_delivery)
 
     def get_kv_connector_stats(self) -> Any:
-        # The peer's transfer stats are its own class's (rebuilt by KvtagConnector.build_kv_connector_stats,
-        # which does not know them): kvtag's census is in the store, not here.
-        return None
+        """The peer's transfer stats (its worker's): KvtagConnector.build_kv_connector_stats rebuilds
+        them as the peer's class, so vLLM logs and exports them as for the peer alone."""
+        return self.inner.get_kv_connector_stats()
 
     def shutdown(self) -> None:
         self.inner.shutdown()

@@ -379,4 +379,25 @@ class KvtagConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """kvtag's counters, or, for a companion engine (whose stats are its peer's), the peer's class:
+        vLLM passes only the data, so its shape tells them apart (kvtag's values are numbers, the
+        peer's are lists of per-operation records)."""
+        if data and companion.peer_stats_data(data):
+            stats: KVConnectorStats | None = companion.peer_class().build_kv_connector_stats(data)
+            return stats
         return KvtagStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """A companion engine's Prometheus metrics are the peer's (they read its stats)."""
+        if companion.wanted(vllm_config.kv_transfer_config):
+            return companion.peer_class().build_prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        return super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -60,13 +60,22 @@ class Counting:
         self.census.count(session, hits=hits, misses=misses, mode_mismatches=mismatches)
         self._keys(self.metrics.get_keys, tally)
 
-    def reported(self, session: Session, usage: pb.UsageReport) -> None:
+    def reported(self, session: Session, usage: pb.UsageReport, cross_mode: Counter[str] | None) -> None:
         """A companion engine's own counts, from its heartbeat: its bytes move on another data path
-        (vLLM's MooncakeStoreConnector), so only the engine can count them."""
+        (vLLM's MooncakeStoreConnector), so only the engine can count them. `cross_mode`: its sampled
+        misses another mode stored, by base key (api/usage.py)."""
         self.census.count(
-            session, hits=usage.hit_blocks, misses=usage.missed_blocks, stored=usage.stored_blocks
+            session,
+            hits=usage.hit_blocks,
+            misses=usage.missed_blocks,
+            stored=usage.stored_blocks,
+            cross_mode=cross_mode,
         )
         self._keys(self.metrics.lookup_keys, KeyTally(usage.hit_blocks, usage.missed_blocks, 0))
+        if cross_mode:
+            self.metrics.cross_mode_misses.inc(sum(cross_mode.values()))
+        if usage.base_keys_dropped:
+            self.metrics.usage_base_keys_dropped.inc(usage.base_keys_dropped)
 
     def served(self, nbytes: int) -> None:
         self.metrics.get_bytes.inc(nbytes)

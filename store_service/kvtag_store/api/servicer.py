@@ -28,6 +28,7 @@ from kvtag_store.api.reaper import Reaper
 from kvtag_store.api.session_desk import SessionDesk
 from kvtag_store.api.slots import Slots
 from kvtag_store.api.tokens import TokenSink
+from kvtag_store.api.usage import UsageReports
 from kvtag_store.api.writes import Writes
 from kvtag_store.backends.base import BlockBackend, Capabilities, CensusStore, ReadResult
 from kvtag_store.config import ServiceConfig
@@ -115,6 +116,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.tokens,
         )
         self.leases = leases
+        self.usage = UsageReports(counting, self.base_index, self.limits.max_key_bytes)
         self.lookups = Lookups(backend, self.capabilities, leases, counting, self.base_index, config)
         self.reads = Reads(
             backend, self.capabilities.views, leases, counting, self.admission, self.limits, message_budget
@@ -189,7 +191,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         session = self.desk.find(request.session_id, context, "Heartbeat")
         if request.HasField("usage"):
-            self.counting.reported(session, request.usage)
+            self.usage.report(session, request.usage)
         return pb.HeartbeatResponse(session_ttl_ms=self.config.session_ttl_ms)
 
     @rpc(intake.CLOSE_SESSION)

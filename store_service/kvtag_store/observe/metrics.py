@@ -49,6 +49,11 @@ class StoreMetrics:
             "Lookup misses whose block another mode held",
             registry=self.registry,
         )
+        self.usage_base_keys_dropped = Counter(
+            "kvtag_usage_base_keys_dropped_total",
+            "Base keys companion engines left out of their usage reports (bounded lists full)",
+            registry=self.registry,
+        )
         self.sessions_refused = Counter(
             "kvtag_sessions_refused_total", "OpenSession refusals", ["reason"], registry=self.registry
         )

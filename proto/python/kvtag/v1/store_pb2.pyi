@@ -348,16 +348,30 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., usage: _Optional[_Union[UsageReport, _Mapping]] = ...) -> None: ...
 
 class UsageReport(_message.Message):
-    __slots__ = ("lookups", "hit_blocks", "missed_blocks", "stored_blocks")
+    __slots__ = ("lookups", "hit_blocks", "missed_blocks", "stored_blocks", "stored_base_keys", "missed_base_keys", "base_keys_dropped")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BASE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_BASE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BASE_KEYS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hit_blocks: int
     missed_blocks: int
     stored_blocks: int
-    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., missed_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
+    stored_base_keys: _containers.RepeatedCompositeFieldContainer[UsageBlock]
+    missed_base_keys: _containers.RepeatedCompositeFieldContainer[UsageBlock]
+    base_keys_dropped: int
+    def __init__(self, lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., missed_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., stored_base_keys: _Optional[_Iterable[_Union[UsageBlock, _Mapping]]] = ..., missed_base_keys: _Optional[_Iterable[_Union[UsageBlock, _Mapping]]] = ..., base_keys_dropped: _Optional[int] = ...) -> None: ...
+
+class UsageBlock(_message.Message):
+    __slots__ = ("group", "base_key")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BASE_KEY_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    base_key: bytes
+    def __init__(self, group: _Optional[int] = ..., base_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("session_ttl_ms",)
