@@ -107,6 +107,8 @@ class Session:
         self.limits = pb.Limits()
         self.limits.CopyFrom(_DEFAULT_LIMITS)
         self.session_ttl_ms = 0
+        # What an outage costs this client's engine, for the warning (a companion's peer serves on).
+        self.outage_effect = "lookups report misses and saves are dropped"
         # The store publishes KV events and asks for the token ids of puts (BlockRef.token_ids).
         self.wants_token_ids = False
         self.on_open: list[OpenHook] = []
@@ -294,11 +296,11 @@ class Session:
                 )
                 return
             log.warning(
-                "kvtag store %s is not answering (%s: %s); lookups report misses and saves are dropped "
-                "until it returns (retrying every %.1f s)",
+                "kvtag store %s is not answering (%s: %s); %s until it returns (retrying every %.1f s)",
                 self.endpoint,
                 what,
                 message,
+                self.outage_effect,
                 self.reconnect_interval_s,
             )
 

@@ -87,6 +87,9 @@ def test_kvtag_builds_vllms_mooncake_connector_with_the_namespace_and_mode_as_it
     assert type(connector.inner) is peer_class() and type(connector.inner).__name__ == PEER
     client = connector.client
     assert client is not None and client.state.name == "CONNECTED", "the session is open before any request"
+    # Control calls only: no shared-memory arena asked for, mapped or prefaulted for this engine.
+    assert client.session.data_path_choice == "inline" and client.data_path == "inline"
+    assert "peer keeps loading and saving" in client.session.outage_effect
     assert connector.cache_prefix == cache_prefix("", client.namespace_id, client.mode_id)
     inner_extra = connector.inner._vllm_config.kv_transfer_config.kv_connector_extra_config
     assert inner_extra["cache_prefix"] == connector.cache_prefix

@@ -163,6 +163,7 @@ class CompanionConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,
                     "connector": "kvtag",
                     "data_path": PEER,
                 },
+                moves_bytes=False,
             )
             self.census = CompanionCensus(
                 self.client.report_usage,

@@ -27,9 +27,12 @@ def open_client(
     mode: pb.HashingMode,
     probe_keys: list[bytes],
     labels: dict[str, str],
+    moves_bytes: bool = True,
 ) -> StoreClient:
     """A StoreClient for this role. It never raises on an unreachable store or a refused token: calls
-    degrade to misses. A TLS or token file that cannot be read is a configuration error."""
+    degrade to misses. A TLS or token file that cannot be read is a configuration error.
+    `moves_bytes` False (the companion): control calls only, so the store's shared-memory arena is
+    neither offered nor mapped, and an outage leaves the peer's data path serving."""
     from kvtag_proto.channels import ChannelConfigError, ChannelSecurity
 
     from kvtag_client.store import StoreClient
@@ -48,9 +51,14 @@ def open_client(
             rpc_timeout_s=config.rpc_timeout_ms / 1000.0,
             reconnect_interval_s=config.reconnect_interval_ms / 1000.0,
             security=security,
+            data_path="auto" if moves_bytes else "inline",
         )
     except ChannelConfigError as exc:
         raise ConnectorConfigError(f"kv_connector_extra_config: {exc}") from None
+    if not moves_bytes:
+        client.session.outage_effect = (
+            "the peer keeps loading and saving under this mode's prefix, and usage counts wait"
+        )
     _track(client)
     client.open()
     logger.info(
