@@ -290,15 +290,6 @@ def test_control_the_bare_peer_fails_that_consumer(site: Site) -> None:
     assert [r["finish_reason"] for r in requests(consumer)] == ["error"] * len(PROMPTS), requests(consumer)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "LAYOUT_SPLIT is sent only for a sibling namespace that holds blocks (census_state.holds_blocks: "
-        "stored counts, or the backend's own holdings); a companion engine's blocks live in Mooncake "
-        "under the peer's keys and its stored blocks are not counted (docs/companion.md, 'Stored blocks "
-        "are not counted'), so the producer's namespace never holds blocks and the consumer is not told"
-    ),
-)
 def test_a_spec_off_consumer_is_told_the_eagle_producers_layout_and_the_field_that_differs(
     site: Site,
 ) -> None:

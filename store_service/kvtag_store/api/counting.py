@@ -70,6 +70,7 @@ class Counting:
             misses=usage.missed_blocks,
             stored=usage.stored_blocks,
             cross_mode=cross_mode,
+            elsewhere=True,
         )
         self._keys(self.metrics.lookup_keys, KeyTally(usage.hit_blocks, usage.missed_blocks, 0))
         if cross_mode:

@@ -164,12 +164,17 @@ class Census:
             return []
 
     def _holds_blocks(self, ns_id: str) -> bool:
-        """Whether the namespace holds blocks, by the backend where it can say, else by the census."""
-        if self._holdings is not None:
-            return bool(self._holdings.modes_holding(ns_id))
+        """Whether the namespace holds blocks, by the backend where it can say, else by the census; and
+        by a companion engine's report either way (its blocks are in no backend of this store)."""
+        if self._holdings is not None and self._holdings.modes_holding(ns_id):
+            return True
         with self._lock:
             state = self._namespaces.get(ns_id)
-            return state is not None and state.holds_blocks()
+            if state is None:
+                return False
+            if self._holdings is None:
+                return state.holds_blocks()
+            return any(m.stored_elsewhere for m in state.modes.values())
 
     def _held_modes(self, ns_id: str) -> frozenset[str] | None:
         """The modes whose blocks the namespace holds, by the backend; None when it cannot say now."""
@@ -210,7 +215,11 @@ class Census:
                 other_id: (other.mode, bool(other.live))
                 for other_id, other in state.modes.items()
                 if other_id != mode_id
-                and (other.live or (other_id in held if held is not None else holds and other.stored))
+                and (
+                    other.live
+                    or other.stored_elsewhere
+                    or (other_id in held if held is not None else holds and other.stored)
+                )
             }
         unknown = sorted((held or frozenset()) - others.keys() - {mode_id})
         described = self._store.described_modes(state.namespace_id, unknown) if unknown else {}
@@ -333,7 +342,7 @@ class Census:
                     self._forget_locked(ns_id, state)
                     forgotten.append(ns_id)
                 else:
-                    self._prune_modes_locked(state, horizon)
+                    state.prune_idle_modes(horizon)
             if forgotten:
                 self._shelf.drop_closed()
         if forgotten and isinstance(self._store, ForgettingCensusStore):
@@ -356,24 +365,6 @@ class Census:
             mode_state.recent.close()
         self.namespaces_forgotten += 1
 
-    def _prune_modes_locked(self, state: NamespaceState, horizon: int) -> None:
-        """Drop idle modes that no block needs remembered, then the least recently active idle modes
-        past MAX_IDLE_MODES. A strict namespace's established mode stays while the namespace does."""
-        holds = state.holds_blocks()
-        idle = [
-            (m.last_active_ms, mode_id)
-            for mode_id, m in state.modes.items()
-            if not m.live and mode_id != state.established_mode_id
-        ]
-        drop = {
-            mode_id for at, mode_id in idle if at <= horizon and not (holds and state.modes[mode_id].stored)
-        }
-        kept = sorted((entry for entry in idle if entry[1] not in drop), reverse=True)
-        drop.update(mode_id for _, mode_id in kept[MAX_IDLE_MODES:])
-        for mode_id in drop:
-            state.modes.pop(mode_id).recent.close()
-            state.modes_forgotten += 1
-
     # -- counters -----------------------------------------------------------
 
     def count(
@@ -386,7 +377,9 @@ class Census:
         conflicts: int = 0,
         stored: int = 0,
         cross_mode: Counter[str] | None = None,
+        elsewhere: bool = False,
     ) -> None:
+        """`elsewhere`: the counts are a companion engine's, whose blocks no backend here holds."""
         with self._lock:
             state = self._namespaces.get(session.namespace_id)
             mode_state = state.modes.get(session.mode_id) if state else None
@@ -401,6 +394,7 @@ class Census:
             mode_state.mode_mismatches += mode_mismatches
             mode_state.conflicts += conflicts
             mode_state.stored += stored
+            mode_state.stored_elsewhere += stored if elsewhere else 0
             if cross_mode:
                 mode_state.cross_mode.update(cross_mode)
                 if len(mode_state.cross_mode) > 2 * MAX_IDLE_MODES:  # held_by modes long forgotten

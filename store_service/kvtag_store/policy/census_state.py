@@ -37,6 +37,9 @@ class ModeState:
     mode_mismatches: int = 0
     conflicts: int = 0
     stored: int = 0
+    # Of `stored`, the blocks a companion engine reported storing on its own data path (vLLM's
+    # MooncakeStoreConnector): no backend of this store can count or forget those.
+    stored_elsewhere: int = 0
     cross_mode: Counter[str] = field(default_factory=Counter)
     last_active_ms: int = 0
 
@@ -69,7 +72,28 @@ class NamespaceState:
             live_modes += bool(m.live)
         return live_modes > 1
 
+    def prune_idle_modes(self, horizon: int) -> None:
+        """Drop idle modes that no block needs remembered, then the least recently active idle modes
+        past MAX_IDLE_MODES. A strict namespace's established mode stays while the namespace does.
+        Caller holds the census lock."""
+        holds = self.holds_blocks()
+        idle = [
+            (m.last_active_ms, mode_id)
+            for mode_id, m in self.modes.items()
+            if not m.live and mode_id != self.established_mode_id
+        ]
+        drop = {
+            mode_id for at, mode_id in idle if at <= horizon and not (holds and self.modes[mode_id].stored)
+        }
+        kept = sorted((entry for entry in idle if entry[1] not in drop), reverse=True)
+        drop.update(mode_id for _, mode_id in kept[MAX_IDLE_MODES:])
+        for mode_id in drop:
+            self.modes.pop(mode_id).recent.close()
+            self.modes_forgotten += 1
+
     def holds_blocks(self) -> bool:
+        if any(m.stored_elsewhere for m in self.modes.values()):
+            return True
         if self.held_blocks is not None:
             return self.held_blocks > 0
         return any(m.stored for m in self.modes.values())

@@ -8,7 +8,7 @@ import pytest
 from kvtag.v1 import store_pb2 as pb
 from kvtag_proto.usage import MAX_USAGE_BASE_KEYS
 
-from tests.descriptors import mode
+from tests.descriptors import mode, namespace
 
 from ..helpers import Store, error_of
 
@@ -123,3 +123,31 @@ def test_a_report_at_its_bounds_is_taken(store: Store) -> None:
         ),
     )
     assert _modes(store)[session.mode_id].counters.stored == MAX_USAGE_BASE_KEYS
+
+
+def test_a_companions_reported_blocks_make_its_layout_a_sibling_that_another_layout_is_told_of(
+    store: Store,
+) -> None:
+    """The memory backend holds none of a companion's blocks (they are in Mooncake, under the peer's
+    keys): its report is what says the namespace holds blocks, so a later engine of the same model in
+    another KV layout (an EAGLE producer's extra drafter layer) hears LAYOUT_SPLIT, not silence."""
+    eagle_layout = namespace()
+    eagle_layout.kv_layout = "attn:1x65536+draft:1x65536"
+    plain_layout = namespace()
+    quiet = store.open("companion-quiet", ns=_other_layout("attn:1x32768"))
+    store.stub.CloseSession(pb.CloseSessionRequest(session_id=quiet.session_id), timeout=5)
+    producer = store.open("companion-eagle", ns=eagle_layout)
+    _heartbeat(store, producer.session_id, pb.UsageReport(stored_blocks=7))
+    store.stub.CloseSession(pb.CloseSessionRequest(session_id=producer.session_id), timeout=5)
+    consumer = store.open("companion-plain", ns=plain_layout)
+    splits = [w for w in consumer.warnings if w.kind == "LAYOUT_SPLIT"]
+    assert [w.other_namespace_id for w in splits] == [producer.namespace_id], (
+        "told of the layout whose engine reported storing blocks, not of the one that stored none"
+    )
+    assert "kv_layout" in splits[0].message
+
+
+def _other_layout(kv_layout: str) -> pb.NamespaceDescriptor:
+    ns = namespace()
+    ns.kv_layout = kv_layout
+    return ns
