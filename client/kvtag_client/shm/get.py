@@ -17,6 +17,8 @@ from kvtag_client.shm.releaser import LeaseReleaser
 
 # (hit, block, offset, slot, generation) of a reference inside the arena.
 _Found = tuple[int, int, int, memoryview, int]
+# Passes a Get makes again for blocks the store answered MISS beside hits (reads around a full memory).
+MAX_RETRY_PASSES = 16
 
 
 class SharedGets:
@@ -47,6 +49,7 @@ class SharedGets:
         valid = [n for n, (_, key) in enumerate(blocks) if valid_key(key)]
         size = caller.batch_size()
         chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
+        first = list(chunks)
         deadline = caller.deadline()
         stub = self.session.stub
         # One lease goes with the last message; several are released after it. Without one, the
@@ -77,6 +80,7 @@ class SharedGets:
                         releaser.release_soon(carried)  # not delivered: the releaser sends it
                     raise
                 corrupted: list[int] = []
+                again: list[int] = []
                 try:
                     packed = response.packed
                     hits = [n for n, status in zip(chunk, packed.statuses, strict=False) if status == pb.HIT]
@@ -91,9 +95,18 @@ class SharedGets:
                             continue
 
                     corrupted = self._copy_out(arena, found, list(packed.xxh3_64), sink, served)
+                    if hits and len(chunks) - len(first) < MAX_RETRY_PASSES:
+                        again = [n for n, st in zip(chunk, packed.statuses, strict=False) if st == pb.MISS]
                 finally:
-                    if response.lease.lease_id:
+                    if response.lease.lease_id and again:
+                        caller.release((response.lease.lease_id,))  # frees this part's slots now
+                    elif response.lease.lease_id:
                         releaser.release_soon(response.lease.lease_id)
+                if again:
+                    # A Get of disk-resident blocks larger than twice the store's memory comes back in part:
+                    # what is read around a full memory takes slots up to the pool's size. The rest is
+                    # asked for again once this part's slots are freed, while a pass makes progress.
+                    chunks.append(again)
                 if corrupted:
                     self._report_corrupted(deadline, [blocks[n] for n in corrupted])
             if len(leases) > 1:
