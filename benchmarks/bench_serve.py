@@ -314,7 +314,7 @@ class Bench:
             for record, system in told:
                 store = self.stores.get("kvtag-mem" if system == "peer+kvtag" else system)
                 if store is not None:
-                    record["diagnose"] = store.cli("diagnose").splitlines()[:40]
+                    record["diagnose"] = store.cli("diagnose").splitlines()[:120]
 
     def measure_prefill(self, server: Server) -> None:
         """The model's prefill rate on a fresh server without a store: a 2,048-token prompt, 3 times;
