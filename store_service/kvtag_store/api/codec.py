@@ -390,6 +390,9 @@ def reserve_items(request: pb.ReserveSlotsRequest, limits: ServiceLimits) -> Slo
     items = [(item.block.group, item.block.key, item.block.base_key, item.length) for item in request.items]
     for index, (_, key, _, _) in enumerate(items):
         validation.key(key, f"items[{index}].block.key", limits)
+    for index, item in enumerate(request.items):
+        if item.block.token_ids:
+            validation.token_ids(item.block.token_ids, f"items[{index}].block.token_ids")
     return SlotBatch(items, packed=False)
 
 

@@ -8,7 +8,6 @@ from operator import itemgetter
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.api.tokens import MAX_TOKEN_ID_BYTES
 from kvtag_store.backends.base import BlockAddress
 from kvtag_store.config import ServiceLimits
 
@@ -142,6 +141,19 @@ def packed_blocks(
             "packed_blocks",
         )
     packed_runs(request.packed_blocks, "packed_blocks", limits)
+
+
+# At most 4,096 token ids a block (BlockRef.token_ids, uint32 each): beyond any block size vLLM uses.
+MAX_TOKEN_ID_BYTES = 16 << 10
+
+
+def token_ids(data: bytes, field: str) -> None:
+    if len(data) % 4 or len(data) > MAX_TOKEN_ID_BYTES:
+        raise errors.invalid_request(
+            f"{field} is {len(data)} bytes: send uint32 token ids, 4 bytes each, at most "
+            f"{MAX_TOKEN_ID_BYTES // 4} a block, or leave it empty",
+            field,
+        )
 
 
 def packed_runs(runs: Sequence[pb.PackedBlocks], name: str, limits: ServiceLimits) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 from kvtag.v1 import store_pb2 as pb
 
 from kvtag_store import errors
-from kvtag_store.api import intake, replies, tokens, validation
+from kvtag_store.api import intake, replies, validation
 from kvtag_store.api.codec import PutBatch, PutItemView
 from kvtag_store.api.counting import Counting
 from kvtag_store.api.outcomes import NO_PAYLOAD, SETTLED, SHM_IN_PUT, SHM_REFUSED, ValueLimit
@@ -92,7 +92,7 @@ class Writes:
         for index, item in enumerate(items):
             validation.key(item.key, f"items[{index}].block.key", self.limits)
             if item.token_ids:
-                tokens.check(item.token_ids, f"items[{index}].block.token_ids")
+                validation.token_ids(item.token_ids, f"items[{index}].block.token_ids")
 
     def _put_items(self, session: Session, items: Sequence[PutItemView]) -> list[PutResult]:
         """All value items go to the backend in one put_many call (a batch backend amortises its round
