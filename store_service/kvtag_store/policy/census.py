@@ -174,7 +174,7 @@ class Census:
                 return False
             if self._holdings is None:
                 return state.holds_blocks()
-            return any(m.stored_elsewhere for m in state.modes.values())
+            return state.holds_blocks_elsewhere()
 
     def _held_modes(self, ns_id: str) -> frozenset[str] | None:
         """The modes whose blocks the namespace holds, by the backend; None when it cannot say now."""

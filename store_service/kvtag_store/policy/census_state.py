@@ -91,8 +91,12 @@ class NamespaceState:
             self.modes.pop(mode_id).recent.close()
             self.modes_forgotten += 1
 
+    def holds_blocks_elsewhere(self) -> bool:
+        """A companion engine of it reported storing blocks, which no backend of this store holds."""
+        return any(m.stored_elsewhere for m in self.modes.values())
+
     def holds_blocks(self) -> bool:
-        if any(m.stored_elsewhere for m in self.modes.values()):
+        if self.holds_blocks_elsewhere():
             return True
         if self.held_blocks is not None:
             return self.held_blocks > 0
