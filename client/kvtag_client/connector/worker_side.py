@@ -138,14 +138,15 @@ class WorkerSide:
         if self._asleep is not None and job.blocks:
             self._stats.add("dropped_saves", len(job.blocks))  # asleep: no KV memory to read
         client = self._client()
+        # The blocks' token ids, when the store asked for them (its KV events); none otherwise.
+        tokens = [t.tokens for t in transfers] if any(t.tokens for t in transfers) else []
         if transfers and client.data_path == "shared_memory":
-            self._save_shared(job.req_id, transfers, client)
+            self._save_shared(job.req_id, transfers, tokens, client)
         elif transfers:
             items = [
                 PutItem(t.group, t.key, gather(self._views[t.group], t.block_id), t.base_key)
                 for t in transfers
             ]
-            tokens = [t.tokens for t in transfers] if any(t.tokens for t in transfers) else []
             self.saver.submit(PendingPut(job.req_id, items, token_ids=tokens))
         if job.audit:
             engine = [
@@ -159,14 +160,16 @@ class WorkerSide:
             with self._lock:
                 self._finished_sending.add(job.req_id)
 
-    def _save_shared(self, req_id: str, transfers: list[BlockTransfer], client: StoreClient) -> None:
+    def _save_shared(
+        self, req_id: str, transfers: list[BlockTransfer], tokens: list[bytes], client: StoreClient
+    ) -> None:
         """Gather the blocks straight into store slots now (the blocks may be reused after this step);
         the saver commits them in the background."""
         sized = [SizedItem(t.group, t.key, block_nbytes(self._views[t.group]), t.base_key) for t in transfers]
         nbytes = sum(item.length for item in sized)
         if not self.saver.admit(nbytes, len(sized)):
             return
-        reservation = client.reserve(sized, [t.tokens for t in transfers] if transfers[0].tokens else ())
+        reservation = client.reserve(sized, tokens)
         if reservation is None:
             self.saver.withdraw(nbytes)
             self._stats.add("dropped_saves", len(sized))
