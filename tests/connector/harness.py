@@ -234,7 +234,8 @@ class Setup:
         )
         return vc, kvc, block_size, hash_block_size
 
-    def build(self) -> Engine:
+    def scheduler(self) -> tuple[Any, Any, Scheduler, int, int]:
+        """(VllmConfig, KVCacheConfig, the real Scheduler over them, block size, hash block size)."""
         vc, kvc, block_size, hash_block_size = self.resolved()
         scheduler = Scheduler(
             vllm_config=vc,
@@ -244,6 +245,10 @@ class Setup:
             hash_block_size=hash_block_size,
             log_stats=True,
         )
+        return vc, kvc, scheduler, block_size, hash_block_size
+
+    def build(self) -> Engine:
+        vc, kvc, scheduler, block_size, hash_block_size = self.scheduler()
         worker = _build_worker(vc, kvc, self.multi_with is not None)
         return Engine(vc, kvc, scheduler, worker, block_size, hash_block_size, self.hybrid)
 

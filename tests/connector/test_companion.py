@@ -25,7 +25,6 @@ from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.net import wait_until
 from tests.store_process import StoreProcess
@@ -297,16 +296,8 @@ def companion_engine(tmp_path: Path, build: Callable[..., Any]) -> Iterator[Call
             eagle_dir=model if eagle else None,
             extra={**COMPANION, "lookup_rpc_port": next(_PORTS), **extra},
         )
-        vc, kvc, block_size, hash_block_size = setup.resolved()
+        vc, _, scheduler, _, hash_block_size = setup.scheduler()
         peer_lookups = PeerLookups(vc)
-        scheduler = Scheduler(
-            vllm_config=vc,
-            kv_cache_config=kvc,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=block_size,
-            hash_block_size=hash_block_size,
-            log_stats=True,
-        )
         engine = CompanionEngine(scheduler, vc, hash_block_size, peer_lookups)
         engines.append(engine)
         return engine
