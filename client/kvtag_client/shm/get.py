@@ -49,7 +49,7 @@ class SharedGets:
         valid = [n for n, (_, key) in enumerate(blocks) if valid_key(key)]
         size = caller.batch_size()
         chunks = [valid[i : i + size] for i in range(0, len(valid), size)] or [[]]
-        first = list(chunks)
+        planned = len(chunks)  # retries are appended past these
         deadline = caller.deadline()
         stub = self.session.stub
         # One lease goes with the last message; several are released after it. Without one, the
@@ -95,7 +95,7 @@ class SharedGets:
                             continue
 
                     corrupted = self._copy_out(arena, found, list(packed.xxh3_64), sink, served)
-                    if hits and len(chunks) - len(first) < MAX_RETRY_PASSES:
+                    if hits and len(chunks) - planned < MAX_RETRY_PASSES:
                         again = [n for n, st in zip(chunk, packed.statuses, strict=False) if st == pb.MISS]
                 finally:
                     if response.lease.lease_id and again:

@@ -77,7 +77,7 @@ class KvStoreService(store_pb2_grpc.KvStoreServicer):
             self.capabilities.holdings,
         )
         self.base_index = BaseKeyIndex(config.base_index_entries)
-        # The bound on request and reply bytes held at once (admission.py).
+        # The bound on request and reply bytes held at once (inflight.py).
         self.admission = InflightBudget(config.max_inflight_bytes)
         self.calls = Calls(self.limits.max_batch_items, self.admission, metrics)
         message_budget = self.limits.max_message_bytes - message_headroom(self.limits.max_message_bytes)
